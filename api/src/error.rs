@@ -1,0 +1,59 @@
+//! API errors: `{"error": {"code", "message"}}` with a fitting status. Codes are stable; clients
+//! branch on them, people read the message.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    /// Seconds, sent as `Retry-After`.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError { status, code, message: message.into(), retry_after: None }
+    }
+
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, message)
+    }
+
+    pub fn not_found() -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", "no such job")
+    }
+
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+}
+
+impl From<tern_jobs::Error> for ApiError {
+    fn from(e: tern_jobs::Error) -> Self {
+        tracing::error!(error = %e, "request failed on a backing service");
+        let (code, message) = match &e {
+            tern_jobs::Error::Database(_) => ("database_unavailable", "the job database is unavailable"),
+            tern_jobs::Error::Redis(_) | tern_jobs::Error::RedisPool(_) => ("queue_unavailable", "the queue is unavailable"),
+            tern_jobs::Error::ObjectStore(_) => ("storage_unavailable", "object storage is unavailable"),
+            tern_jobs::Error::Other(_) => ("internal", "internal error"),
+        };
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, message).retry_after(5)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Json(json!({ "error": { "code": self.code, "message": self.message } }));
+        let mut resp = (self.status, body).into_response();
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}

@@ -1,0 +1,126 @@
+//! `tern-api`: accepts jobs over HTTP, records them in Postgres, queues them in Redis, and runs
+//! the background services that keep the queue honest (lease reaper, reconciler).
+
+mod error;
+mod routes;
+mod state;
+mod submission;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use state::{AppState, Inner, Limits};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tern_jobs::config::{DatabaseArgs, LogArgs, QueueArgs, S3Args};
+use tern_jobs::{ObjectStore, Reaper, Reconciler, Store};
+
+#[derive(Parser, Debug)]
+#[command(name = "tern-api", version, about = "tern's HTTP API: submit, inspect and cancel inference jobs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the API (the default).
+    Serve,
+    /// Apply database migrations and exit.
+    Migrate,
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "TERN_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Jobs of one kind that may wait before submissions get 503 `queue_full`.
+    #[arg(long, env = "TERN_MAX_QUEUED", default_value_t = 1_000_000)]
+    max_queued: u64,
+    /// Largest request body in bytes (base64 files count: 10 MiB of file is ~13.4 MiB of body).
+    #[arg(long, env = "TERN_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
+    max_body_bytes: usize,
+    /// Apply database migrations at start.
+    #[arg(long, env = "TERN_MIGRATE", default_value_t = true, action = clap::ArgAction::Set)]
+    migrate: bool,
+    /// How often (ms) the reaper returns jobs whose lease expired.
+    #[arg(long, env = "TERN_REAPER_INTERVAL_MS", default_value_t = 1_000)]
+    reaper_interval_ms: u64,
+    /// How often (ms) the reconciler restores Redis from Postgres.
+    #[arg(long, env = "TERN_RECONCILE_INTERVAL_MS", default_value_t = 5_000)]
+    reconcile_interval_ms: u64,
+    /// How long (ms) a job's state must stand before a routine reconcile restores it.
+    #[arg(long, env = "TERN_RECONCILE_GRACE_MS", default_value_t = 30_000)]
+    reconcile_grace_ms: u64,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    #[command(flatten)]
+    queue: QueueArgs,
+    #[command(flatten)]
+    s3: S3Args,
+    #[command(flatten)]
+    log: LogArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let args = cli.serve;
+    tern_jobs::logging::init(&args.log);
+    let store = Store::connect(&args.database.database_url, args.database.database_max_connections)
+        .await
+        .context("connecting to Postgres")?;
+    if matches!(cli.command, Some(Command::Migrate)) {
+        store.migrate().await.context("applying migrations")?;
+        tracing::info!("migrations applied");
+        return Ok(());
+    }
+    if args.migrate {
+        store.migrate().await.context("applying migrations")?;
+    }
+    let queue = args.queue.connect().context("configuring Redis")?;
+    let objects = ObjectStore::new(&args.s3.settings());
+    objects.ensure_bucket().await.context("creating the S3 bucket")?;
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let owner = format!("api-{}", uuid::Uuid::now_v7());
+    let reaper = Reaper { store: store.clone(), queue: queue.clone(), retry: args.queue.retry_policy() };
+    let reaper_task = tokio::spawn(reaper.run(Duration::from_millis(args.reaper_interval_ms), stop_rx.clone()));
+    let reconciler = Reconciler {
+        store: store.clone(),
+        queue: queue.clone(),
+        grace: Duration::from_millis(args.reconcile_grace_ms),
+        owner,
+    };
+    let reconciler_task =
+        tokio::spawn(reconciler.run(Duration::from_millis(args.reconcile_interval_ms), stop_rx.clone()));
+
+    let state = AppState(Arc::new(Inner {
+        store,
+        queue,
+        objects,
+        limits: Limits { max_queued: args.max_queued, max_body_bytes: args.max_body_bytes },
+    }));
+    let app = routes::router(state);
+    let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    tracing::info!(listen = %args.listen, bucket = %args.s3.s3_bucket, "tern-api ready");
+    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    let _ = stop_tx.send(true);
+    let _ = tokio::join!(reaper_task, reconciler_task);
+    tracing::info!("tern-api stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+}

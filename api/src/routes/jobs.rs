@@ -1,0 +1,282 @@
+//! `/v1/jobs`: submit, batch submit, get, list, timeline, cancel.
+
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::submission::{self, Submission};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use tern_jobs::queue::Enqueue;
+use tern_jobs::store::{CancelOutcome, ListFilter};
+use tern_jobs::{Job, JobKind, JobState, NewJob};
+use uuid::Uuid;
+
+/// Most jobs in one `POST /v1/jobs/batch`.
+pub const BATCH_MAX: usize = 1000;
+/// Default and largest page of `GET /v1/jobs`.
+pub const LIST_LIMIT_DEFAULT: i64 = 50;
+pub const LIST_LIMIT_MAX: i64 = 500;
+
+/// Reads a JSON body, mapping each way it can fail to a stable code.
+fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the request body is larger than allowed")
+        } else {
+            ApiError::bad_request("invalid_body", rejection.body_text())
+        }
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request("invalid_json", format!("the body is not valid JSON: {e}")))
+}
+
+fn idempotency_header(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    headers
+        .get("idempotency-key")
+        .map(|v| v.to_str().map_err(|_| ApiError::bad_request("invalid_request", "Idempotency-Key must be ASCII")))
+        .transpose()
+}
+
+/// The job as the API shows it: the record, plus its queue position while it waits and a
+/// presigned download URL once it succeeded.
+pub async fn job_view(state: &AppState, job: &Job, with_position: bool) -> Result<Value, ApiError> {
+    let mut v = serde_json::to_value(job).expect("jobs serialise");
+    let position = if with_position && job.state == JobState::Queued {
+        state.queue.position(job.kind, job.id).await?
+    } else {
+        None
+    };
+    v["queue_position"] = json!(position);
+    if let Some(output) = &job.output {
+        v["output"]["url"] = json!(state.objects.presign_get(&output.key).await?);
+    }
+    Ok(v)
+}
+
+async fn views(state: &AppState, jobs: &[Job]) -> Result<Vec<Value>, ApiError> {
+    let mut out = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        out.push(job_view(state, job, false).await?);
+    }
+    Ok(out)
+}
+
+/// Refuses work past the queue's configured depth.
+async fn admit(state: &AppState, jobs: &[NewJob]) -> Result<(), ApiError> {
+    let mut per_kind: HashMap<JobKind, u64> = HashMap::new();
+    for job in jobs {
+        *per_kind.entry(job.kind).or_default() += 1;
+    }
+    for (kind, n) in per_kind {
+        let depth = state.queue.depth(kind).await?;
+        if depth + n > state.limits.max_queued {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "queue_full",
+                format!("the {kind} queue holds {depth} jobs, its limit is {}; retry later", state.limits.max_queued),
+            )
+            .retry_after(5));
+        }
+    }
+    Ok(())
+}
+
+/// Inserts checked jobs in one transaction and enqueues them. A Redis failure after the commit
+/// is not the client's problem: the jobs are recorded, and the reconciler enqueues them.
+async fn insert_and_enqueue(state: &AppState, jobs: &[NewJob]) -> Result<Vec<Job>, ApiError> {
+    let inserted = state.store.insert(jobs).await?;
+    let entries: Vec<Enqueue> = inserted
+        .iter()
+        .map(|j| Enqueue { id: j.id, kind: j.kind, priority: j.priority, cost: j.cost, run_at: j.run_at })
+        .collect();
+    if let Err(e) = state.queue.enqueue(&entries).await {
+        tracing::error!(error = %e, jobs = entries.len(), "enqueue failed after commit; the reconciler will enqueue them");
+    }
+    Ok(inserted)
+}
+
+/// What an earlier request with the same idempotency key left, if any.
+async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiError> {
+    let Some(key) = &job.idempotency_key else { return Ok(None) };
+    let Some(existing) = state.store.get_by_idempotency_key(key).await? else { return Ok(None) };
+    if existing.request_sha256 != job.request_sha256 {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "idempotency_conflict",
+            format!("idempotency key {key:?} was used for a different request"),
+        ));
+    }
+    Ok(Some(existing))
+}
+
+/// `POST /v1/jobs`: 201 with the new job; 200 with the earlier job when an `Idempotency-Key`
+/// replays the same request.
+pub async fn submit(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let value = json_body(body)?;
+    let Submission { mut job } = submission::parse(&value, idempotency_header(&headers)?)?;
+    if let Some(existing) = replayed(&state, &job).await? {
+        return Ok((StatusCode::OK, Json(job_view(&state, &existing, true).await?)).into_response());
+    }
+    admit(&state, std::slice::from_ref(&job)).await?;
+    submission::store_inline_files(&mut job, &state.objects).await?;
+    let inserted = insert_and_enqueue(&state, std::slice::from_ref(&job)).await?;
+    match inserted.first() {
+        Some(created) => Ok((StatusCode::CREATED, Json(job_view(&state, created, false).await?)).into_response()),
+        // Lost a race with a concurrent request carrying the same key.
+        None => match replayed(&state, &job).await? {
+            Some(existing) => Ok((StatusCode::OK, Json(job_view(&state, &existing, true).await?)).into_response()),
+            None => Err(ApiError::new(StatusCode::CONFLICT, "idempotency_conflict", "retry the request")),
+        },
+    }
+}
+
+/// `POST /v1/jobs/batch` with `{"jobs": [...]}`: up to 1,000 jobs checked together and inserted
+/// in one transaction; any bad job refuses the whole batch, with the index of the first one.
+pub async fn submit_batch(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let value = json_body(body)?;
+    let items = value
+        .get("jobs")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad_request("invalid_request", "the body must be {\"jobs\": [...]}"))?;
+    if items.is_empty() || items.len() > BATCH_MAX {
+        return Err(ApiError::bad_request(
+            "batch_too_large",
+            format!("a batch holds 1 to {BATCH_MAX} jobs, this one has {}", items.len()),
+        ));
+    }
+    let mut jobs = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let Submission { job } = submission::parse(item, None).map_err(|mut e| {
+            e.message = format!("jobs[{i}]: {}", e.message);
+            e
+        })?;
+        jobs.push(job);
+    }
+    // Replays keep their earlier job; only new requests are inserted.
+    let mut results: Vec<Option<Job>> = Vec::with_capacity(jobs.len());
+    for job in &jobs {
+        results.push(replayed(&state, job).await?);
+    }
+    let mut fresh: Vec<NewJob> = jobs.into_iter().zip(&results).filter(|(_, r)| r.is_none()).map(|(j, _)| j).collect();
+    admit(&state, &fresh).await?;
+    for job in &mut fresh {
+        submission::store_inline_files(job, &state.objects).await?;
+    }
+    let mut inserted: HashMap<Uuid, Job> =
+        insert_and_enqueue(&state, &fresh).await?.into_iter().map(|j| (j.id, j)).collect();
+    let mut fresh_iter = fresh.iter();
+    let mut out = Vec::with_capacity(results.len());
+    for r in results {
+        let job = match r {
+            Some(existing) => existing,
+            None => {
+                let new = fresh_iter.next().expect("one fresh job per empty result");
+                match inserted.remove(&new.id) {
+                    Some(job) => job,
+                    None => replayed(&state, new).await?.ok_or_else(|| {
+                        ApiError::new(StatusCode::CONFLICT, "idempotency_conflict", "retry the request")
+                    })?,
+                }
+            }
+        };
+        out.push(job);
+    }
+    Ok((StatusCode::CREATED, Json(json!({ "jobs": views(&state, &out).await? }))).into_response())
+}
+
+fn parse_id(id: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(id).map_err(|_| ApiError::not_found())
+}
+
+/// `GET /v1/jobs/{id}`.
+pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let job = state.store.get(parse_id(&id)?).await?.ok_or_else(ApiError::not_found)?;
+    Ok(Json(job_view(&state, &job, true).await?))
+}
+
+/// `GET /v1/jobs/{id}/events`: the job's timeline, oldest first.
+pub async fn events(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let id = parse_id(&id)?;
+    state.store.get(id).await?.ok_or_else(ApiError::not_found)?;
+    Ok(Json(json!({ "events": state.store.events(id).await? })))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    state: Option<String>,
+    kind: Option<String>,
+    limit: Option<String>,
+    cursor: Option<String>,
+}
+
+/// `GET /v1/jobs?state=&kind=&limit=&cursor=`: newest first; `next_cursor` fetches the next page.
+pub async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
+    let filter = ListFilter {
+        state: q
+            .state
+            .as_deref()
+            .map(|s| s.parse().map_err(|()| ApiError::bad_request("invalid_state", format!("unknown state {s:?}"))))
+            .transpose()?,
+        kind: q
+            .kind
+            .as_deref()
+            .map(|k| k.parse().map_err(|()| ApiError::bad_request("unknown_kind", format!("unknown job kind {k:?}"))))
+            .transpose()?,
+        before: q
+            .cursor
+            .as_deref()
+            .map(|c| Uuid::parse_str(c).map_err(|_| ApiError::bad_request("invalid_cursor", "unknown cursor")))
+            .transpose()?,
+        limit: match q.limit.as_deref() {
+            None => LIST_LIMIT_DEFAULT,
+            Some(l) => l.parse::<i64>().ok().filter(|n| (1..=LIST_LIMIT_MAX).contains(n)).ok_or_else(|| {
+                ApiError::bad_request("invalid_limit", format!("limit must be an integer from 1 to {LIST_LIMIT_MAX}"))
+            })?,
+        },
+    };
+    let mut page = filter.clone();
+    page.limit += 1;
+    let mut jobs = state.store.list(&page).await?;
+    let next_cursor = if jobs.len() as i64 > filter.limit {
+        jobs.truncate(filter.limit as usize);
+        jobs.last().map(|j| j.id.to_string())
+    } else {
+        None
+    };
+    Ok(Json(json!({ "jobs": views(&state, &jobs).await?, "next_cursor": next_cursor })))
+}
+
+/// `POST /v1/jobs/{id}/cancel`: 200 with the canceled job if it was waiting; 202 if it is
+/// running (its worker stops it at its next check, within about a second); 409 if it finished.
+pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    match state.store.cancel(id).await? {
+        CancelOutcome::NotFound => Err(ApiError::not_found()),
+        CancelOutcome::Canceled(job) => {
+            state.queue.cancel(job.kind, job.id, false).await?;
+            Ok((StatusCode::OK, Json(job_view(&state, &job, false).await?)).into_response())
+        }
+        CancelOutcome::Requested(job) => {
+            state.queue.cancel(job.kind, job.id, true).await?;
+            Ok((StatusCode::ACCEPTED, Json(job_view(&state, &job, false).await?)).into_response())
+        }
+        CancelOutcome::AlreadyFinished(job) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "job_finished",
+            format!("the job already finished as {}", job.state),
+        )),
+    }
+}

@@ -1,0 +1,27 @@
+//! The HTTP routes.
+
+pub mod health;
+pub mod jobs;
+pub mod uploads;
+
+use crate::error::ApiError;
+use crate::state::AppState;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+
+pub fn router(state: AppState) -> Router {
+    let max_body = state.limits.max_body_bytes;
+    Router::new()
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/v1/jobs", post(jobs::submit).get(jobs::list))
+        .route("/v1/jobs/batch", post(jobs::submit_batch))
+        .route("/v1/jobs/{id}", get(jobs::get))
+        .route("/v1/jobs/{id}/events", get(jobs::events))
+        .route("/v1/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/v1/uploads", post(uploads::create))
+        .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}

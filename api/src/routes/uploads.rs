@@ -1,0 +1,19 @@
+//! `POST /v1/uploads`: a presigned PUT URL for a file too large to send as base64.
+
+use crate::error::ApiError;
+use crate::state::AppState;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use serde_json::{json, Value};
+use tern_jobs::file_ref::UPLOAD_PREFIX;
+use uuid::Uuid;
+
+/// Returns `{upload_key, url, method, expires_at}`: PUT the file's bytes to `url`, then pass
+/// `{"upload_key": ...}` as the job's file.
+pub async fn create(State(state): State<AppState>) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let key = format!("{UPLOAD_PREFIX}{}", Uuid::now_v7());
+    let url = state.objects.presign_put(&key).await?;
+    let expires_at = chrono::Utc::now() + chrono::Duration::from_std(state.objects.presign_ttl()).unwrap_or_default();
+    Ok((StatusCode::CREATED, Json(json!({ "upload_key": key, "url": url, "method": "PUT", "expires_at": expires_at }))))
+}

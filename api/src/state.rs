@@ -1,0 +1,29 @@
+use std::sync::Arc;
+use tern_jobs::{ObjectStore, Queue, Store};
+
+/// What every request handler shares.
+#[derive(Clone)]
+pub struct AppState(pub Arc<Inner>);
+
+pub struct Inner {
+    pub store: Store,
+    pub queue: Queue,
+    pub objects: ObjectStore,
+    pub limits: Limits,
+}
+
+/// Admission limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Jobs of one kind that may wait before submissions get 503 `queue_full`.
+    pub max_queued: u64,
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}

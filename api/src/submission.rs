@@ -1,0 +1,188 @@
+//! Turning a submitted JSON object into a [`NewJob`], with a stable error code for every way it
+//! can be wrong. Nothing here touches Postgres or Redis, so bad input never enqueues anything.
+
+use crate::error::ApiError;
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use axum::http::StatusCode;
+use tern_jobs::file_ref::{FileRef, FileRefError};
+use tern_jobs::job::{MAX_ATTEMPTS_LIMIT, METADATA_MAX_BYTES, TIMEOUT_MS_LIMIT};
+use tern_jobs::{schemas, JobKind, NewJob, ObjectStore, Priority};
+use uuid::Uuid;
+
+/// Longest accepted idempotency key, characters.
+pub const IDEMPOTENCY_KEY_MAX_LEN: usize = 255;
+
+const FIELDS: &[&str] =
+    &["kind", "input", "priority", "run_at", "delay_ms", "max_attempts", "timeout_ms", "metadata", "idempotency_key"];
+
+/// A job request that passed every check but its files (see [`store_inline_files`]).
+pub struct Submission {
+    pub job: NewJob,
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request("invalid_request", message)
+}
+
+/// Checks one job request. `header_key` is the `Idempotency-Key` header, which a body field of
+/// the same name may not contradict.
+pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiError> {
+    let obj = value.as_object().ok_or_else(|| invalid("a job request must be a JSON object"))?;
+    if let Some(unknown) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        return Err(invalid(format!("unknown field {unknown:?}; known fields: {}", FIELDS.join(", "))));
+    }
+
+    let kind = match obj.get("kind") {
+        None | Some(Value::Null) => return Err(invalid("\"kind\" is required")),
+        Some(Value::String(s)) => s.parse::<JobKind>().map_err(|()| unknown_kind(s))?,
+        Some(other) => return Err(unknown_kind(&other.to_string())),
+    };
+    let priority = match obj.get("priority") {
+        None | Some(Value::Null) => Priority::default(),
+        Some(Value::String(s)) => s.parse().map_err(|()| invalid_priority(s))?,
+        Some(other) => return Err(invalid_priority(&other.to_string())),
+    };
+    let input = obj.get("input").cloned().unwrap_or(Value::Null);
+    if input.is_null() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_input",
+            "\"input\" is required",
+        ));
+    }
+    // Files first: a bad URL scheme deserves its own code, not a schema message.
+    for field in kind.file_fields() {
+        if let Some(file) = input.get(*field) {
+            FileRef::parse(file).map_err(|e| file_error(field, e))?;
+        }
+    }
+    schemas::validate_input(kind, &input).map_err(|msg| {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_input", format!("input of {kind}: {msg}"))
+    })?;
+
+    let mut job = NewJob::new(kind, input);
+    job.priority = priority;
+    job.run_at = parse_run_at(obj)?;
+    if let Some(v) = obj.get("max_attempts").filter(|v| !v.is_null()) {
+        job.max_attempts = v
+            .as_i64()
+            .filter(|n| (1..=MAX_ATTEMPTS_LIMIT as i64).contains(n))
+            .ok_or_else(|| invalid(format!("\"max_attempts\" must be an integer from 1 to {MAX_ATTEMPTS_LIMIT}")))?
+            as i32;
+    }
+    if let Some(v) = obj.get("timeout_ms").filter(|v| !v.is_null()) {
+        job.timeout_ms = v
+            .as_i64()
+            .filter(|n| (1..=TIMEOUT_MS_LIMIT).contains(n))
+            .ok_or_else(|| invalid(format!("\"timeout_ms\" must be an integer from 1 to {TIMEOUT_MS_LIMIT}")))?;
+    }
+    if let Some(v) = obj.get("metadata").filter(|v| !v.is_null()) {
+        if !v.is_object() {
+            return Err(invalid("\"metadata\" must be a JSON object"));
+        }
+        if v.to_string().len() > METADATA_MAX_BYTES {
+            return Err(ApiError::bad_request(
+                "metadata_too_large",
+                format!("\"metadata\" is larger than {METADATA_MAX_BYTES} bytes"),
+            ));
+        }
+        job.metadata = v.clone();
+    }
+    let body_key = match obj.get("idempotency_key") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(_) => return Err(invalid("\"idempotency_key\" must be a string")),
+    };
+    let key = match (header_key, body_key) {
+        (Some(h), Some(b)) if h != b => {
+            return Err(invalid("the Idempotency-Key header and the \"idempotency_key\" field differ"))
+        }
+        (h, b) => h.or(b),
+    };
+    if let Some(key) = key {
+        if key.is_empty() || key.len() > IDEMPOTENCY_KEY_MAX_LEN {
+            return Err(invalid(format!("idempotency keys are 1 to {IDEMPOTENCY_KEY_MAX_LEN} characters")));
+        }
+        job.idempotency_key = Some(key.to_string());
+        job.request_sha256 = Some(fingerprint(value));
+    }
+    Ok(Submission { job })
+}
+
+fn unknown_kind(kind: &str) -> ApiError {
+    let known: Vec<&str> = JobKind::ALL.iter().map(|k| k.as_str()).collect();
+    ApiError::bad_request("unknown_kind", format!("unknown job kind {kind}; known kinds: {}", known.join(", ")))
+}
+
+fn invalid_priority(p: &str) -> ApiError {
+    ApiError::bad_request("invalid_priority", format!("invalid priority {p}; use urgent, high, normal or low"))
+}
+
+fn parse_run_at(obj: &Map<String, Value>) -> Result<Option<DateTime<Utc>>, ApiError> {
+    let run_at = match obj.get("run_at") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(
+            DateTime::parse_from_rfc3339(s)
+                .map_err(|_| invalid(format!("\"run_at\" must be an RFC 3339 time, got {s:?}")))?
+                .with_timezone(&Utc),
+        ),
+        Some(_) => return Err(invalid("\"run_at\" must be an RFC 3339 time string")),
+    };
+    let delay = match obj.get("delay_ms") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .filter(|ms| *ms <= 366 * 24 * 3600 * 1000)
+                .ok_or_else(|| invalid("\"delay_ms\" must be a non-negative integer of at most a year"))?,
+        ),
+    };
+    match (run_at, delay) {
+        (Some(_), Some(_)) => Err(invalid("give \"run_at\" or \"delay_ms\", not both")),
+        (Some(at), None) => Ok(Some(at)),
+        (None, Some(ms)) => Ok(Some(Utc::now() + chrono::Duration::milliseconds(ms as i64))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// SHA-256 of the request's canonical JSON (object keys sorted), to tell a replay from a
+/// different request that reuses an idempotency key.
+pub fn fingerprint(value: &Value) -> String {
+    hex::encode(Sha256::digest(value.to_string().as_bytes()))
+}
+
+fn file_error(field: &str, e: FileRefError) -> ApiError {
+    let status = match e {
+        FileRefError::Shape => StatusCode::UNPROCESSABLE_ENTITY,
+        FileRefError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    ApiError::new(status, e.code(), format!("input.{field}: {e}"))
+}
+
+/// Moves base64 files of a checked job into object storage, replacing them with their upload
+/// key, and checks that referenced uploads exist.
+pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore) -> Result<(), ApiError> {
+    for field in job.kind.file_fields() {
+        let Some(file) = job.input.get(*field) else { continue };
+        match FileRef::parse(file).map_err(|e| file_error(field, e))? {
+            FileRef::Base64(data) => {
+                let bytes = FileRef::decode_base64(&data).map_err(|e| file_error(field, e))?;
+                let key = format!("{}{}", tern_jobs::file_ref::UPLOAD_PREFIX, Uuid::now_v7());
+                objects.put(&key, bytes.into(), "application/octet-stream").await?;
+                job.input[*field] = FileRef::UploadKey(key).to_json();
+            }
+            FileRef::UploadKey(key) => {
+                if objects.size(&key).await?.is_none() {
+                    return Err(ApiError::bad_request(
+                        "upload_not_found",
+                        format!("input.{field}: nothing was uploaded under {key:?}"),
+                    ));
+                }
+            }
+            FileRef::Url(_) => {}
+        }
+    }
+    Ok(())
+}

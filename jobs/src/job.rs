@@ -1,0 +1,122 @@
+use crate::{JobKind, JobState, Priority};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+/// Largest `metadata` object a job may carry, serialised: 16 KiB.
+pub const METADATA_MAX_BYTES: usize = 16 * 1024;
+/// Attempts a job gets unless it asks otherwise: 5.
+pub const MAX_ATTEMPTS_DEFAULT: i32 = 5;
+/// Upper bound on `max_attempts`: 100.
+pub const MAX_ATTEMPTS_LIMIT: i32 = 100;
+/// How long one attempt may run unless the job asks otherwise: 10 minutes.
+pub const TIMEOUT_MS_DEFAULT: i64 = 10 * 60 * 1000;
+/// Upper bound on `timeout_ms`: 24 hours.
+pub const TIMEOUT_MS_LIMIT: i64 = 24 * 60 * 60 * 1000;
+
+/// A job as Postgres records it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Job {
+    pub id: Uuid,
+    pub kind: JobKind,
+    pub priority: Priority,
+    pub state: JobState,
+    pub input: Value,
+    /// What the job weighs in a batch (see [`crate::queue::Queue::pull`]); 1 for `echo`.
+    pub cost: i32,
+    pub attempts: i32,
+    pub max_attempts: i32,
+    pub run_at: Option<DateTime<Utc>>,
+    pub timeout_ms: i64,
+    pub metadata: Value,
+    pub idempotency_key: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub worker_id: Option<String>,
+    pub cancel_requested: bool,
+    pub error: Option<Failure>,
+    pub output: Option<JobOutput>,
+    /// Fencing token of the lease that may settle the job; internal, never shown by the API.
+    #[serde(skip)]
+    pub lease_token: Option<i64>,
+    #[serde(skip)]
+    pub request_sha256: Option<String>,
+}
+
+/// Why an attempt failed: a stable machine-readable `code` and a message for people.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    pub code: String,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        Failure { code: code.into(), message: message.into() }
+    }
+}
+
+/// Where a succeeded job's output lies in object storage.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobOutput {
+    pub key: String,
+    pub size: i64,
+    /// Hex SHA-256 of the object's bytes.
+    pub sha256: String,
+    pub content_type: String,
+}
+
+/// A job about to be inserted. Build it with [`NewJob::new`] and adjust the public fields.
+#[derive(Debug, Clone)]
+pub struct NewJob {
+    pub id: Uuid,
+    pub kind: JobKind,
+    pub priority: Priority,
+    pub input: Value,
+    pub cost: i32,
+    pub max_attempts: i32,
+    pub run_at: Option<DateTime<Utc>>,
+    pub timeout_ms: i64,
+    pub metadata: Value,
+    pub idempotency_key: Option<String>,
+    /// Fingerprint of the request, compared when the idempotency key is used again.
+    pub request_sha256: Option<String>,
+}
+
+impl NewJob {
+    pub fn new(kind: JobKind, input: Value) -> Self {
+        NewJob {
+            id: Uuid::now_v7(),
+            kind,
+            priority: Priority::default(),
+            input,
+            cost: 1,
+            max_attempts: MAX_ATTEMPTS_DEFAULT,
+            run_at: None,
+            timeout_ms: TIMEOUT_MS_DEFAULT,
+            metadata: Value::Object(Default::default()),
+            idempotency_key: None,
+            request_sha256: None,
+        }
+    }
+
+    /// The state the job starts in: `scheduled` when `run_at` lies ahead, else `queued`.
+    pub fn initial_state(&self, now: DateTime<Utc>) -> JobState {
+        match self.run_at {
+            Some(at) if at > now => JobState::Scheduled,
+            _ => JobState::Queued,
+        }
+    }
+}
+
+/// One entry of a job's timeline.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobEvent {
+    pub at: DateTime<Utc>,
+    pub state: JobState,
+    pub attempt: i32,
+    pub worker_id: Option<String>,
+    pub detail: Option<Value>,
+}

@@ -1,0 +1,44 @@
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// What a job does. Each kind has its own Redis queue and its own input/output JSON Schemas
+/// (`schemas/{kind}.input.json`, `schemas/{kind}.output.json`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobKind {
+    /// Diagnostic kind: returns its input after an optional `sleep_ms`; exercises the whole path
+    /// (API, queue, worker, S3) without a model.
+    Echo,
+}
+
+impl JobKind {
+    /// Every kind, in a stable order.
+    pub const ALL: &'static [JobKind] = &[JobKind::Echo];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobKind::Echo => "echo",
+        }
+    }
+
+    /// Input fields that carry a file (a [`crate::file_ref::FileRef`]).
+    pub fn file_fields(self) -> &'static [&'static str] {
+        match self {
+            JobKind::Echo => &["file"],
+        }
+    }
+}
+
+impl fmt::Display for JobKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for JobKind {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        JobKind::ALL.iter().copied().find(|k| k.as_str() == s).ok_or(())
+    }
+}

@@ -1,0 +1,344 @@
+//! The Redis side of tern: what waits and what is leased. One atomic Lua script per operation
+//! (`queue/*.lua`, each headed by its KEYS and ARGV). All keys of a kind share a hash tag
+//! (`{prefix}:{kind}:…` with the kind in braces), so every script touches one cluster slot.
+
+use crate::{JobKind, Priority, Result};
+use chrono::{DateTime, Utc};
+use deadpool_redis::{Config as PoolConfig, Pool, Runtime};
+use redis::{AsyncCommands, Script};
+use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
+
+const CLOCK: &str = include_str!("queue/clock.lua");
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{CLOCK}\n{body}"))
+}
+
+static ENQUEUE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/enqueue.lua")));
+static PULL: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/pull.lua")));
+static HEARTBEAT: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/heartbeat.lua")));
+static SETTLE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/settle.lua")));
+static CANCEL: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/cancel.lua")));
+static REAP: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/reap.lua")));
+static RESTORE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/restore.lua")));
+
+/// Most jobs passed to one script call; larger sets are sent in chunks so no script holds Redis
+/// for long and no variable-length argument list grows without bound.
+const CHUNK: usize = 500;
+
+/// Queue tuning shared by the API, the workers and the background services.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueSettings {
+    /// How long a pulled job stays leased without a heartbeat. Default 30 s.
+    pub lease: Duration,
+    /// How much waiting raises a job by one priority level. Default 10 min: a low job that
+    /// waited 10 minutes outranks newly arrived normal jobs.
+    pub aging_step: Duration,
+}
+
+impl Default for QueueSettings {
+    fn default() -> Self {
+        QueueSettings { lease: Duration::from_secs(30), aging_step: Duration::from_secs(600) }
+    }
+}
+
+/// A job to put in its ready (or delayed) set.
+#[derive(Debug, Clone)]
+pub struct Enqueue {
+    pub id: Uuid,
+    pub kind: JobKind,
+    pub priority: Priority,
+    pub cost: i32,
+    pub run_at: Option<DateTime<Utc>>,
+}
+
+/// A job leased to a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    pub id: Uuid,
+    /// Fencing token: Postgres accepts the job's outcome only under this token.
+    pub token: i64,
+    pub cost: i64,
+}
+
+/// What a heartbeat learned about one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseStatus {
+    Held,
+    /// Another lease holds the job now: its outcome from this lease will be refused.
+    Lost,
+    /// Held, and the job was asked to cancel.
+    CancelRequested,
+}
+
+/// What to do with a lease's job in Redis after Postgres settled it.
+#[derive(Debug, Clone, Copy)]
+pub enum SettleAction {
+    /// Finished for good.
+    Done,
+    /// Due again at this time.
+    At(DateTime<Utc>),
+    /// Postgres refused the lease: release it, keep the job.
+    Drop,
+}
+
+/// Redis queue access. Cheap to clone.
+#[derive(Clone)]
+pub struct Queue {
+    pool: Pool,
+    prefix: String,
+    pub settings: QueueSettings,
+}
+
+impl Queue {
+    /// Connects a pool of at most `pool_size` connections; keys start with `prefix`.
+    pub fn connect(url: &str, prefix: &str, pool_size: usize, settings: QueueSettings) -> Result<Queue> {
+        let mut config = PoolConfig::from_url(url);
+        config.pool = Some(deadpool_redis::PoolConfig::new(pool_size));
+        let pool = config
+            .create_pool(Some(Runtime::Tokio1))
+            .map_err(|e| crate::Error::Other(format!("redis pool: {e}")))?;
+        Ok(Queue { pool, prefix: prefix.to_string(), settings })
+    }
+
+    async fn conn(&self) -> Result<deadpool_redis::Connection> {
+        Ok(self.pool.get().await?)
+    }
+
+    fn key(&self, kind: JobKind, name: &str) -> String {
+        format!("{}:{{{}}}:{}", self.prefix, kind.as_str(), name)
+    }
+
+    fn lease_ms(&self) -> u64 {
+        self.settings.lease.as_millis() as u64
+    }
+
+    fn aging_ms(&self) -> u64 {
+        self.settings.aging_step.as_millis() as u64
+    }
+
+    pub async fn ping(&self) -> Result<()> {
+        let mut c = self.conn().await?;
+        let _: String = redis::cmd("PING").query_async(&mut *c).await?;
+        Ok(())
+    }
+
+    /// Adds jobs to their ready or delayed sets. Harmless for jobs already there or leased.
+    pub async fn enqueue(&self, jobs: &[Enqueue]) -> Result<()> {
+        let mut c = self.conn().await?;
+        for kind in JobKind::ALL {
+            let of_kind: Vec<&Enqueue> = jobs.iter().filter(|j| j.kind == *kind).collect();
+            for chunk in of_kind.chunks(CHUNK) {
+                let mut inv = ENQUEUE.prepare_invoke();
+                inv.key(self.key(*kind, "ready"))
+                    .key(self.key(*kind, "delayed"))
+                    .key(self.key(*kind, "leases"))
+                    .key(self.key(*kind, "meta"))
+                    .key(self.key(*kind, "seq"))
+                    .arg(self.aging_ms());
+                for j in chunk {
+                    inv.arg(j.id.to_string())
+                        .arg(j.priority.rank())
+                        .arg(j.cost)
+                        .arg(j.run_at.map_or(0, |t| t.timestamp_millis()));
+                }
+                let _: i64 = inv.invoke_async(&mut *c).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Leases up to `max_jobs` jobs of `kind` whose summed cost fits `budget` (the first job is
+    /// taken whatever its cost). Empty when nothing is ready or the kind is paused.
+    pub async fn pull(&self, kind: JobKind, max_jobs: usize, budget: i64) -> Result<Vec<Lease>> {
+        let mut c = self.conn().await?;
+        let flat: Vec<String> = PULL
+            .key(self.key(kind, "ready"))
+            .key(self.key(kind, "delayed"))
+            .key(self.key(kind, "leases"))
+            .key(self.key(kind, "meta"))
+            .key(self.key(kind, "seq"))
+            .key(self.key(kind, "tokens"))
+            .key(self.key(kind, "paused"))
+            .arg(max_jobs)
+            .arg(budget)
+            .arg(self.lease_ms())
+            .arg(self.aging_ms())
+            .invoke_async(&mut *c)
+            .await?;
+        flat.chunks_exact(3)
+            .map(|t| {
+                Ok(Lease {
+                    id: parse_uuid(&t[0])?,
+                    token: t[1].parse().map_err(|_| bad_reply("token", &t[1]))?,
+                    cost: t[2].parse().map_err(|_| bad_reply("cost", &t[2]))?,
+                })
+            })
+            .collect()
+    }
+
+    /// Extends leases; returns each one's status, in order.
+    pub async fn heartbeat(&self, kind: JobKind, leases: &[(Uuid, i64)]) -> Result<Vec<LeaseStatus>> {
+        let mut c = self.conn().await?;
+        let mut out = Vec::with_capacity(leases.len());
+        for chunk in leases.chunks(CHUNK) {
+            let mut inv = HEARTBEAT.prepare_invoke();
+            inv.key(self.key(kind, "leases"))
+                .key(self.key(kind, "tokens"))
+                .key(self.key(kind, "canceled"))
+                .arg(self.lease_ms());
+            for (id, token) in chunk {
+                inv.arg(id.to_string()).arg(*token);
+            }
+            let codes: Vec<i64> = inv.invoke_async(&mut *c).await?;
+            out.extend(codes.into_iter().map(|code| match code {
+                0 => LeaseStatus::Held,
+                2 => LeaseStatus::CancelRequested,
+                _ => LeaseStatus::Lost,
+            }));
+        }
+        Ok(out)
+    }
+
+    /// Clears leases after Postgres settled their jobs.
+    pub async fn settle(&self, kind: JobKind, items: &[(Uuid, i64, SettleAction)]) -> Result<()> {
+        let mut c = self.conn().await?;
+        for chunk in items.chunks(CHUNK) {
+            let mut inv = SETTLE.prepare_invoke();
+            inv.key(self.key(kind, "leases"))
+                .key(self.key(kind, "delayed"))
+                .key(self.key(kind, "meta"))
+                .key(self.key(kind, "tokens"))
+                .key(self.key(kind, "canceled"));
+            for (id, token, action) in chunk {
+                let action = match action {
+                    SettleAction::Done => "done".to_string(),
+                    SettleAction::At(t) => format!("at:{}", t.timestamp_millis()),
+                    SettleAction::Drop => "drop".to_string(),
+                };
+                inv.arg(id.to_string()).arg(*token).arg(action);
+            }
+            let _: i64 = inv.invoke_async(&mut *c).await?;
+        }
+        Ok(())
+    }
+
+    /// Removes a canceled waiting job, or flags a running one for its worker.
+    pub async fn cancel(&self, kind: JobKind, id: Uuid, running: bool) -> Result<()> {
+        let mut c = self.conn().await?;
+        let _: i64 = CANCEL
+            .key(self.key(kind, "ready"))
+            .key(self.key(kind, "delayed"))
+            .key(self.key(kind, "meta"))
+            .key(self.key(kind, "canceled"))
+            .arg(id.to_string())
+            .arg(if running { "running" } else { "waiting" })
+            .invoke_async(&mut *c)
+            .await?;
+        Ok(())
+    }
+
+    /// Takes up to `max` expired leases of `kind`: (job id, fencing token if known).
+    pub async fn reap(&self, kind: JobKind, max: usize) -> Result<Vec<(Uuid, Option<i64>)>> {
+        let mut c = self.conn().await?;
+        let flat: Vec<String> = REAP
+            .key(self.key(kind, "leases"))
+            .key(self.key(kind, "tokens"))
+            .arg(max)
+            .invoke_async(&mut *c)
+            .await?;
+        flat.chunks_exact(2).map(|p| Ok((parse_uuid(&p[0])?, p[1].parse().ok()))).collect()
+    }
+
+    /// Restores jobs Redis does not know; `token` is set for running jobs. Returns how many
+    /// were missing.
+    pub async fn restore(&self, kind: JobKind, jobs: &[(Enqueue, Option<i64>)]) -> Result<u64> {
+        let mut c = self.conn().await?;
+        let mut restored = 0;
+        for chunk in jobs.chunks(CHUNK) {
+            let mut inv = RESTORE.prepare_invoke();
+            inv.key(self.key(kind, "ready"))
+                .key(self.key(kind, "delayed"))
+                .key(self.key(kind, "leases"))
+                .key(self.key(kind, "meta"))
+                .key(self.key(kind, "seq"))
+                .key(self.key(kind, "tokens"))
+                .arg(self.aging_ms())
+                .arg(self.lease_ms());
+            for (j, token) in chunk {
+                inv.arg(j.id.to_string())
+                    .arg(j.priority.rank())
+                    .arg(j.cost)
+                    .arg(j.run_at.map_or(0, |t| t.timestamp_millis()))
+                    .arg(token.map(|t| t.to_string()).unwrap_or_default());
+            }
+            let n: u64 = inv.invoke_async(&mut *c).await?;
+            restored += n;
+        }
+        Ok(restored)
+    }
+
+    /// Jobs of `kind` waiting: ready plus delayed.
+    pub async fn depth(&self, kind: JobKind) -> Result<u64> {
+        let mut c = self.conn().await?;
+        let (ready, delayed): (u64, u64) = redis::pipe()
+            .zcard(self.key(kind, "ready"))
+            .zcard(self.key(kind, "delayed"))
+            .query_async(&mut *c)
+            .await?;
+        Ok(ready + delayed)
+    }
+
+    /// How many ready jobs of its kind run before this one (0 = next), if it is ready.
+    pub async fn position(&self, kind: JobKind, id: Uuid) -> Result<Option<u64>> {
+        let mut c = self.conn().await?;
+        Ok(c.zrank(self.key(kind, "ready"), id.to_string()).await?)
+    }
+
+    /// Takes a short-lived lock (`SET NX PX`); true if this caller holds it now. Lets one of
+    /// several API replicas run a periodic sweep.
+    pub async fn try_lock(&self, name: &str, owner: &str, ttl: Duration) -> Result<bool> {
+        let mut c = self.conn().await?;
+        let key = format!("{}:lock:{name}", self.prefix);
+        let got: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(owner)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl.as_millis() as u64)
+            .query_async(&mut *c)
+            .await?;
+        if got.is_some() {
+            return Ok(true);
+        }
+        let holder: Option<String> = c.get(&key).await?;
+        if holder.as_deref() == Some(owner) {
+            let _: () = c.pexpire(&key, ttl.as_millis() as i64).await?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// The marker the reconciler sets after restoring Redis from Postgres; its absence means
+    /// Redis lost its data (or never had any).
+    pub async fn epoch(&self) -> Result<Option<String>> {
+        let mut c = self.conn().await?;
+        Ok(c.get(format!("{}:epoch", self.prefix)).await?)
+    }
+
+    pub async fn set_epoch(&self, value: &str) -> Result<()> {
+        let mut c = self.conn().await?;
+        let _: () = c.set(format!("{}:epoch", self.prefix), value).await?;
+        Ok(())
+    }
+}
+
+fn bad_reply(what: &str, value: &str) -> crate::Error {
+    crate::Error::Other(format!("unexpected {what} {value:?} from a queue script"))
+}
+
+fn parse_uuid(s: &str) -> Result<Uuid> {
+    Uuid::parse_str(s).map_err(|_| bad_reply("job id", s))
+}

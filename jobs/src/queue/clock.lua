@@ -1,0 +1,28 @@
+-- Shared fragment, prepended to the scripts that need it (not a script of its own).
+--
+-- now_ms(): Redis's own clock, so API replicas and workers with skewed clocks agree.
+-- ready_score(now, rank, step, seq): the score of a job entering its ready set. Lower runs
+-- first. A job of rank r (0 urgent .. 3 low) is placed r aging steps behind an urgent job
+-- arriving at the same moment, so a low job that has waited 3 steps outranks a newly arrived
+-- urgent one, and one that waited a step outranks new normal jobs: nothing starves. The enqueue
+-- sequence (mod 4096) is folded into the low bits so jobs of equal priority stay FIFO within a
+-- millisecond. Milliseconds count from 2025-01-01 so the score stays an exact integer in a double.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local EPOCH_MS = 1735689600000
+
+local function ready_score(now, rank, step, seq)
+  return ((now - EPOCH_MS) + rank * step) * 4096 + (seq % 4096)
+end
+
+-- Job metadata is kept as "rank:cost".
+local function meta_rank(meta)
+  return tonumber(string.match(meta, '^(%d+):'))
+end
+
+local function meta_cost(meta)
+  return tonumber(string.match(meta, ':(%d+)$'))
+end

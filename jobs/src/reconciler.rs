@@ -1,0 +1,93 @@
+//! Keeps Redis in step with Postgres, the source of truth.
+//!
+//! Every round walks the unfinished jobs in Postgres and restores any that Redis does not hold:
+//! after Redis lost its data (restart without persistence, `FLUSHALL`, failover) or after a
+//! process died between a Postgres commit and the matching Redis call. Waiting jobs go back to
+//! their ready or delayed sets; running jobs get their lease back, so a live worker carries on
+//! and a dead one's job is reaped. Jobs Redis already holds are left alone, so nothing is
+//! queued twice, and Postgres refuses any second start of a job, so nothing runs twice.
+//!
+//! A marker key (`{prefix}:epoch`) tells a data loss apart: while it is present, jobs whose state
+//! changed within the last `grace` are skipped (the API may be about to enqueue them); when it
+//! is missing, every unfinished job is checked at once and the marker is set afterwards.
+//! With several API replicas, a Redis lock lets one of them sweep per round.
+
+use crate::queue::Enqueue;
+use crate::{JobKind, JobState, Queue, Result, Store};
+use chrono::Utc;
+use std::collections::HashMap;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// How often the reconciler sweeps. Default 5 s.
+pub const RECONCILE_INTERVAL_DEFAULT: Duration = Duration::from_secs(5);
+/// How long a job's state must have stood before a routine sweep restores it. Default 30 s.
+pub const RECONCILE_GRACE_DEFAULT: Duration = Duration::from_secs(30);
+const PAGE: i64 = 1000;
+
+#[derive(Clone)]
+pub struct Reconciler {
+    pub store: Store,
+    pub queue: Queue,
+    pub grace: Duration,
+    /// Identifies this process in the sweep lock.
+    pub owner: String,
+}
+
+impl Reconciler {
+    /// One sweep; returns how many jobs were restored.
+    pub async fn run_once(&self) -> Result<u64> {
+        let epoch = self.queue.epoch().await?;
+        let settled_before = match epoch {
+            Some(_) => Some(Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default()),
+            None => None,
+        };
+        let mut after: Option<Uuid> = None;
+        let mut restored = 0;
+        loop {
+            let page = self.store.active_page(after, settled_before, PAGE).await?;
+            let Some(last) = page.last() else { break };
+            after = Some(last.id);
+            let mut by_kind: HashMap<JobKind, Vec<(Enqueue, Option<i64>)>> = HashMap::new();
+            for job in &page {
+                let token = if job.state == JobState::Running { job.lease_token } else { None };
+                by_kind.entry(job.kind).or_default().push((
+                    Enqueue { id: job.id, kind: job.kind, priority: job.priority, cost: job.cost, run_at: job.run_at },
+                    token,
+                ));
+            }
+            for (kind, jobs) in by_kind {
+                restored += self.queue.restore(kind, &jobs).await?;
+            }
+            if (page.len() as i64) < PAGE {
+                break;
+            }
+        }
+        if epoch.is_none() {
+            self.queue.set_epoch(&Uuid::now_v7().to_string()).await?;
+        }
+        if restored > 0 {
+            tracing::warn!(restored, redis_data_lost = epoch.is_none(), "restored jobs Redis did not hold");
+        }
+        Ok(restored)
+    }
+
+    /// Sweeps every `interval` (when this process holds the sweep lock) until `stop` changes.
+    pub async fn run(self, interval: Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            match self.queue.try_lock("reconciler", &self.owner, interval * 2).await {
+                Ok(true) => {
+                    if let Err(e) = self.run_once().await {
+                        tracing::error!(error = %e, "reconciler sweep failed");
+                    }
+                }
+                Ok(false) => {}
+                Err(e) => tracing::error!(error = %e, "reconciler could not take its lock"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = stop.changed() => return,
+            }
+        }
+    }
+}

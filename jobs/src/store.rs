@@ -1,0 +1,466 @@
+//! Postgres access. Each function is one statement and so one transaction; the batch ones take
+//! arrays (`unnest`) so a whole batch changes state in a single round trip and commit, and every
+//! transition appends to `job_events` in the same statement.
+
+use crate::job::JobEvent;
+use crate::{Failure, Job, JobKind, JobOutput, JobState, NewJob, Priority, Result, RetryPolicy};
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::postgres::{PgPoolOptions, PgRow};
+use sqlx::{PgPool, Row};
+use std::time::Duration;
+use uuid::Uuid;
+
+const JOB_COLUMNS: &str = "id, kind, priority, state, input, cost, attempts, max_attempts, run_at, \
+    timeout_ms, metadata, idempotency_key, request_sha256, created_at, started_at, finished_at, \
+    worker_id, lease_token, cancel_requested, error, output";
+
+/// The Postgres side of tern: the record of every job and every state change.
+#[derive(Clone)]
+pub struct Store {
+    pool: PgPool,
+}
+
+/// Filters of [`Store::list`].
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<JobState>,
+    pub kind: Option<JobKind>,
+    /// Only jobs older than this id (ids are UUID v7, so this is keyset pagination by age).
+    pub before: Option<Uuid>,
+    pub limit: i64,
+}
+
+/// How an attempt ended, as the worker or the reaper reports it.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    Succeeded(JobOutput),
+    /// Failed, may run again; becomes `failed` if it was the last attempt.
+    Retry(Failure),
+    /// Failed for good (bad input): no further attempt.
+    Failed(Failure),
+    Canceled,
+    /// Handed back unrun (worker shutting down): queued again, the attempt not counted.
+    Released,
+}
+
+/// A lease's report of how its job ended.
+#[derive(Debug, Clone)]
+pub struct Settlement {
+    pub id: Uuid,
+    pub token: i64,
+    pub outcome: Outcome,
+}
+
+/// What [`Store::settle`] recorded for one job.
+#[derive(Debug, Clone)]
+pub struct Settled {
+    pub id: Uuid,
+    pub kind: JobKind,
+    pub state: JobState,
+    /// When a `retrying` job is due again.
+    pub run_at: Option<DateTime<Utc>>,
+}
+
+/// The result of [`Store::cancel`].
+#[derive(Debug, Clone)]
+pub enum CancelOutcome {
+    /// It was waiting and is now canceled.
+    Canceled(Job),
+    /// It is running; its worker is to stop it.
+    Requested(Job),
+    /// It had already finished.
+    AlreadyFinished(Job),
+    NotFound,
+}
+
+/// A job that should be somewhere in Redis, as the reconciler sees it.
+#[derive(Debug, Clone)]
+pub struct ActiveJob {
+    pub id: Uuid,
+    pub kind: JobKind,
+    pub priority: Priority,
+    pub state: JobState,
+    pub cost: i32,
+    pub run_at: Option<DateTime<Utc>>,
+    pub lease_token: Option<i64>,
+}
+
+impl Store {
+    /// Connects with at most `max_connections` pooled connections.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Store> {
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(url)
+            .await?;
+        Ok(Store { pool })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies the embedded migrations; safe to run from several processes at once.
+    pub async fn migrate(&self) -> Result<()> {
+        crate::MIGRATOR.run(&self.pool).await.map_err(|e| crate::Error::Database(e.into()))
+    }
+
+    pub async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Inserts jobs in one statement. Jobs whose idempotency key is already taken are skipped:
+    /// the returned list holds only the jobs inserted now.
+    pub async fn insert(&self, jobs: &[NewJob]) -> Result<Vec<Job>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = Utc::now();
+        let mut ids = Vec::with_capacity(jobs.len());
+        let mut kinds = Vec::with_capacity(jobs.len());
+        let mut priorities = Vec::with_capacity(jobs.len());
+        let mut states = Vec::with_capacity(jobs.len());
+        let mut inputs = Vec::with_capacity(jobs.len());
+        let mut costs = Vec::with_capacity(jobs.len());
+        let mut max_attempts = Vec::with_capacity(jobs.len());
+        let mut run_ats = Vec::with_capacity(jobs.len());
+        let mut timeouts = Vec::with_capacity(jobs.len());
+        let mut metadata = Vec::with_capacity(jobs.len());
+        let mut keys = Vec::with_capacity(jobs.len());
+        let mut hashes = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            ids.push(job.id);
+            kinds.push(job.kind.as_str());
+            priorities.push(job.priority.as_str());
+            states.push(job.initial_state(now).as_str());
+            inputs.push(job.input.to_string());
+            costs.push(job.cost);
+            max_attempts.push(job.max_attempts);
+            run_ats.push(job.run_at);
+            timeouts.push(job.timeout_ms);
+            metadata.push(job.metadata.to_string());
+            keys.push(job.idempotency_key.as_deref());
+            hashes.push(job.request_sha256.as_deref());
+        }
+        let sql = format!(
+            "WITH inserted AS (
+                INSERT INTO jobs (id, kind, priority, state, input, cost, max_attempts, run_at,
+                                  timeout_ms, metadata, idempotency_key, request_sha256)
+                SELECT id, kind, priority, state, input::jsonb, cost, max_attempts, run_at,
+                       timeout_ms, metadata::jsonb, idempotency_key, request_sha256
+                FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int4[],
+                            $7::int4[], $8::timestamptz[], $9::int8[], $10::text[], $11::text[],
+                            $12::text[])
+                     AS t(id, kind, priority, state, input, cost, max_attempts, run_at, timeout_ms,
+                          metadata, idempotency_key, request_sha256)
+                ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                RETURNING {JOB_COLUMNS}
+            ), events AS (
+                INSERT INTO job_events (job_id, state, attempt) SELECT id, state, 0 FROM inserted
+            )
+            SELECT {JOB_COLUMNS} FROM inserted"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(&ids)
+            .bind(&kinds)
+            .bind(&priorities)
+            .bind(&states)
+            .bind(&inputs)
+            .bind(&costs)
+            .bind(&max_attempts)
+            .bind(&run_ats)
+            .bind(&timeouts)
+            .bind(&metadata)
+            .bind(&keys)
+            .bind(&hashes)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(job_from_row).collect()
+    }
+
+    pub async fn get(&self, id: Uuid) -> Result<Option<Job>> {
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1");
+        let row = sqlx::query(&sql).bind(id).fetch_optional(&self.pool).await?;
+        row.as_ref().map(job_from_row).transpose()
+    }
+
+    pub async fn get_by_idempotency_key(&self, key: &str) -> Result<Option<Job>> {
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = $1");
+        let row = sqlx::query(&sql).bind(key).fetch_optional(&self.pool).await?;
+        row.as_ref().map(job_from_row).transpose()
+    }
+
+    /// Jobs newest first, filtered; at most `filter.limit`.
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Job>> {
+        let sql = format!(
+            "SELECT {JOB_COLUMNS} FROM jobs
+             WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR kind = $2)
+               AND ($3::uuid IS NULL OR id < $3)
+             ORDER BY id DESC LIMIT $4"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(filter.state.map(JobState::as_str))
+            .bind(filter.kind.map(JobKind::as_str))
+            .bind(filter.before)
+            .bind(filter.limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(job_from_row).collect()
+    }
+
+    /// The job's timeline, oldest first.
+    pub async fn events(&self, id: Uuid) -> Result<Vec<JobEvent>> {
+        let rows = sqlx::query(
+            "SELECT at, state, attempt, worker_id, detail FROM job_events WHERE job_id = $1 ORDER BY id",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(JobEvent {
+                    at: r.try_get("at")?,
+                    state: parse_state(r.try_get("state")?)?,
+                    attempt: r.try_get("attempt")?,
+                    worker_id: r.try_get("worker_id")?,
+                    detail: r.try_get("detail")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Cancels a waiting job at once; marks a running one so its worker stops it.
+    pub async fn cancel(&self, id: Uuid) -> Result<CancelOutcome> {
+        let sql = format!(
+            "WITH target AS (
+                SELECT id, state AS old_state FROM jobs WHERE id = $1 FOR UPDATE
+            ), changed AS (
+                UPDATE jobs j SET
+                    state = CASE WHEN t.old_state IN ('queued', 'scheduled', 'retrying')
+                                 THEN 'canceled' ELSE j.state END,
+                    finished_at = CASE WHEN t.old_state IN ('queued', 'scheduled', 'retrying')
+                                       THEN now() ELSE j.finished_at END,
+                    state_changed_at = CASE WHEN t.old_state IN ('queued', 'scheduled', 'retrying')
+                                            THEN now() ELSE j.state_changed_at END,
+                    run_at = CASE WHEN t.old_state IN ('queued', 'scheduled', 'retrying')
+                                  THEN NULL ELSE j.run_at END,
+                    cancel_requested = j.cancel_requested OR t.old_state = 'running'
+                FROM target t WHERE j.id = t.id
+                RETURNING {cols}, t.old_state
+            ), events AS (
+                INSERT INTO job_events (job_id, state, attempt)
+                SELECT id, 'canceled', attempts FROM changed
+                WHERE old_state IN ('queued', 'scheduled', 'retrying')
+            )
+            SELECT * FROM changed",
+            cols = prefixed_columns("j")
+        );
+        let Some(row) = sqlx::query(&sql).bind(id).fetch_optional(&self.pool).await? else {
+            return Ok(CancelOutcome::NotFound);
+        };
+        let old_state = parse_state(row.try_get("old_state")?)?;
+        let job = job_from_row(&row)?;
+        Ok(match old_state {
+            JobState::Queued | JobState::Scheduled | JobState::Retrying => CancelOutcome::Canceled(job),
+            JobState::Running => CancelOutcome::Requested(job),
+            _ => CancelOutcome::AlreadyFinished(job),
+        })
+    }
+
+    /// Marks leased jobs running under their fencing tokens, in one statement. Returns the jobs
+    /// that may run: those that were still waiting. A job canceled, finished or taken by another
+    /// lease in the meantime is left out, and its lease should be dropped.
+    pub async fn start(&self, worker_id: &str, leases: &[(Uuid, i64)]) -> Result<Vec<Job>> {
+        let (ids, tokens): (Vec<Uuid>, Vec<i64>) = leases.iter().copied().unzip();
+        let sql = format!(
+            "WITH started AS (
+                UPDATE jobs j SET state = 'running', attempts = j.attempts + 1,
+                       lease_token = b.token, worker_id = $3, started_at = now(),
+                       state_changed_at = now(), run_at = NULL
+                FROM unnest($1::uuid[], $2::int8[]) AS b(id, token)
+                WHERE j.id = b.id AND j.state IN ('queued', 'scheduled', 'retrying')
+                RETURNING {cols}
+            ), events AS (
+                INSERT INTO job_events (job_id, state, attempt, worker_id)
+                SELECT id, 'running', attempts, worker_id FROM started
+            )
+            SELECT * FROM started",
+            cols = prefixed_columns("j")
+        );
+        let rows = sqlx::query(&sql).bind(&ids).bind(&tokens).bind(worker_id).fetch_all(&self.pool).await?;
+        rows.iter().map(job_from_row).collect()
+    }
+
+    /// Records how attempts ended, in one statement. Only a running job whose fencing token
+    /// matches is changed: a report from a lease that expired (the job was re-run elsewhere, or
+    /// already settled) is refused and left out of the result.
+    ///
+    /// A `Retry` of a job that used its last attempt makes it `failed`; otherwise the job becomes
+    /// `retrying`, due after `policy`'s backoff.
+    pub async fn settle(&self, settlements: &[Settlement], policy: RetryPolicy) -> Result<Vec<Settled>> {
+        if settlements.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = settlements.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut tokens = Vec::with_capacity(n);
+        let mut states = Vec::with_capacity(n);
+        let mut outputs: Vec<Option<String>> = Vec::with_capacity(n);
+        let mut errors: Vec<Option<String>> = Vec::with_capacity(n);
+        for s in settlements {
+            ids.push(s.id);
+            tokens.push(s.token);
+            let (state, output, error) = match &s.outcome {
+                Outcome::Succeeded(out) => (JobState::Succeeded, Some(to_json(out)), None),
+                Outcome::Retry(f) => (JobState::Retrying, None, Some(to_json(f))),
+                Outcome::Failed(f) => (JobState::Failed, None, Some(to_json(f))),
+                Outcome::Canceled => (
+                    JobState::Canceled,
+                    None,
+                    Some(to_json(&Failure::new("canceled", "canceled while running"))),
+                ),
+                Outcome::Released => (JobState::Queued, None, None),
+            };
+            states.push(state.as_str());
+            outputs.push(output);
+            errors.push(error);
+        }
+        let rows = sqlx::query(
+            "WITH b AS (
+                SELECT u.id, u.token, u.output, u.error,
+                       CASE WHEN u.state = 'retrying' AND j.attempts >= j.max_attempts
+                            THEN 'failed' ELSE u.state END AS state
+                FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[])
+                     AS u(id, token, state, output, error)
+                JOIN jobs j ON j.id = u.id
+            ), settled AS (
+                UPDATE jobs j SET
+                    state = b.state,
+                    state_changed_at = now(),
+                    attempts = CASE WHEN b.state = 'queued' THEN j.attempts - 1 ELSE j.attempts END,
+                    finished_at = CASE WHEN b.state IN ('succeeded', 'failed', 'canceled')
+                                       THEN now() END,
+                    run_at = CASE WHEN b.state = 'retrying' THEN tern_retry_at(j.attempts, $6, $7) END,
+                    output = b.output::jsonb,
+                    error = CASE WHEN b.state = 'queued' THEN j.error ELSE b.error::jsonb END
+                FROM b
+                WHERE j.id = b.id AND j.lease_token = b.token AND j.state = 'running'
+                RETURNING j.id, j.kind, j.state, j.run_at, j.attempts, j.worker_id,
+                          COALESCE(b.output, b.error) AS detail
+            ), events AS (
+                INSERT INTO job_events (job_id, state, attempt, worker_id, detail)
+                SELECT id, state, attempts, worker_id, detail::jsonb FROM settled
+            )
+            SELECT id, kind, state, run_at FROM settled",
+        )
+        .bind(&ids)
+        .bind(&tokens)
+        .bind(&states)
+        .bind(&outputs)
+        .bind(&errors)
+        .bind(policy.base.as_millis() as i64)
+        .bind(policy.cap.as_millis() as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(Settled {
+                    id: r.try_get("id")?,
+                    kind: parse_kind(r.try_get("kind")?)?,
+                    state: parse_state(r.try_get("state")?)?,
+                    run_at: r.try_get("run_at")?,
+                })
+            })
+            .collect()
+    }
+
+    /// A page of jobs that are not finished, by id, after `after`. With `settled_before`, only
+    /// jobs whose state has not changed since then (the reconciler leaves fresh jobs alone: the
+    /// API may be about to enqueue them).
+    pub async fn active_page(
+        &self,
+        after: Option<Uuid>,
+        settled_before: Option<DateTime<Utc>>,
+        limit: i64,
+    ) -> Result<Vec<ActiveJob>> {
+        let rows = sqlx::query(
+            "SELECT id, kind, priority, state, cost, run_at, lease_token FROM jobs
+             WHERE state IN ('queued', 'scheduled', 'running', 'retrying')
+               AND ($1::uuid IS NULL OR id > $1)
+               AND ($2::timestamptz IS NULL OR state_changed_at < $2)
+             ORDER BY id LIMIT $3",
+        )
+        .bind(after)
+        .bind(settled_before)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(ActiveJob {
+                    id: r.try_get("id")?,
+                    kind: parse_kind(r.try_get("kind")?)?,
+                    priority: parse_priority(r.try_get("priority")?)?,
+                    state: parse_state(r.try_get("state")?)?,
+                    cost: r.try_get("cost")?,
+                    run_at: r.try_get("run_at")?,
+                    lease_token: r.try_get("lease_token")?,
+                })
+            })
+            .collect()
+    }
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).expect("plain structs serialise")
+}
+
+fn prefixed_columns(table: &str) -> String {
+    JOB_COLUMNS.split(", ").map(|c| format!("{table}.{}", c.trim())).collect::<Vec<_>>().join(", ")
+}
+
+fn decode_err(what: &str, value: &str) -> crate::Error {
+    crate::Error::Database(sqlx::Error::Decode(format!("unknown {what} {value:?} in the database").into()))
+}
+
+fn parse_state(s: String) -> Result<JobState> {
+    s.parse().map_err(|()| decode_err("state", &s))
+}
+
+fn parse_kind(s: String) -> Result<JobKind> {
+    s.parse().map_err(|()| decode_err("kind", &s))
+}
+
+fn parse_priority(s: String) -> Result<Priority> {
+    s.parse().map_err(|()| decode_err("priority", &s))
+}
+
+fn job_from_row(r: &PgRow) -> Result<Job> {
+    let error: Option<Value> = r.try_get("error")?;
+    let output: Option<Value> = r.try_get("output")?;
+    Ok(Job {
+        id: r.try_get("id")?,
+        kind: parse_kind(r.try_get("kind")?)?,
+        priority: parse_priority(r.try_get("priority")?)?,
+        state: parse_state(r.try_get("state")?)?,
+        input: r.try_get("input")?,
+        cost: r.try_get("cost")?,
+        attempts: r.try_get("attempts")?,
+        max_attempts: r.try_get("max_attempts")?,
+        run_at: r.try_get("run_at")?,
+        timeout_ms: r.try_get("timeout_ms")?,
+        metadata: r.try_get("metadata")?,
+        idempotency_key: r.try_get("idempotency_key")?,
+        request_sha256: r.try_get("request_sha256")?,
+        created_at: r.try_get("created_at")?,
+        started_at: r.try_get("started_at")?,
+        finished_at: r.try_get("finished_at")?,
+        worker_id: r.try_get("worker_id")?,
+        lease_token: r.try_get("lease_token")?,
+        cancel_requested: r.try_get("cancel_requested")?,
+        error: error.and_then(|v| serde_json::from_value(v).ok()),
+        output: output.and_then(|v| serde_json::from_value(v).ok()),
+    })
+}

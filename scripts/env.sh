@@ -1,0 +1,12 @@
+# shellcheck shell=sh
+# Default environment for running tern against the local dev services started by
+# scripts/services.sh. Source it: `. scripts/env.sh`. A variable that is already set
+# is left alone, so you can point any of them somewhere else.
+
+export TERN_STATE_DIR="${TERN_STATE_DIR:-$HOME/.cache/tern}"
+export TERN_DATABASE_URL="${TERN_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/tern}"
+export TERN_REDIS_URL="${TERN_REDIS_URL:-redis://127.0.0.1:6379}"
+export TERN_S3_ENDPOINT="${TERN_S3_ENDPOINT:-http://127.0.0.1:8333}"
+export TERN_S3_ACCESS_KEY="${TERN_S3_ACCESS_KEY:-tern-dev}"
+export TERN_S3_SECRET_KEY="${TERN_S3_SECRET_KEY:-tern-dev-secret}"
+export TERN_S3_REGION="${TERN_S3_REGION:-us-east-1}"

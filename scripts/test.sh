@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+# Run tern's whole test suite against real services: installs/starts Postgres, Redis and
+# SeaweedFS (scripts/services.sh), builds the release binaries the black-box tests spawn
+# (tern-api, tern-worker), then runs every test in the workspace.
+#
+# Usage: scripts/test.sh [ARGS...]
+#   ARGS go to `cargo nextest run` when cargo-nextest is installed (e.g. a test-name
+#   filter), otherwise to `cargo test` (there, test-binary flags go after `--`).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/services.sh up
+# shellcheck source=env.sh
+. scripts/env.sh
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tern/target}"
+case "$CARGO_TARGET_DIR" in
+  /*) ;;
+  *) CARGO_TARGET_DIR="$PWD/$CARGO_TARGET_DIR" ;; # tests run from other directories
+esac
+# The black-box tests (crate tern-e2e) spawn the binaries from here.
+export TERN_BIN_DIR="$CARGO_TARGET_DIR/release"
+
+cargo build --release --workspace --bins
+
+if cargo nextest --version >/dev/null 2>&1; then
+  exec cargo nextest run --workspace --release --no-fail-fast "$@"
+else
+  exec cargo test --workspace --release --no-fail-fast "$@"
+fi

@@ -1,0 +1,174 @@
+//! `tern-bench`: end-to-end throughput and latency of tern with real services, echo jobs.
+//!
+//! For each worker count it starts a private deployment (database, Redis prefix, bucket, one
+//! tern-api, N tern-workers) and measures:
+//! - bulk submit: jobs/s through `POST /v1/jobs/batch` (1,000 per request, 4 in flight);
+//! - drain: a backlog of `--jobs` waiting jobs, workers started, until all succeeded;
+//! - end to end: workers running, `--jobs` submitted, from the first submit to all succeeded;
+//! - submit latency: p50/p99 of single `POST /v1/jobs` one after another.
+//! Every state change is durable (Postgres commits), and every output is an S3 object.
+
+use anyhow::Result;
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use tern_e2e::Cluster;
+
+#[derive(Parser, Debug)]
+#[command(name = "tern-bench", version, about = "Measure tern's end-to-end echo throughput and submit latency")]
+struct Args {
+    /// Jobs per measurement (the drain backlog and the end-to-end run).
+    #[arg(long, env = "TERN_BENCH_JOBS", default_value_t = 50_000)]
+    jobs: usize,
+    /// Worker process counts to measure, comma-separated.
+    #[arg(long, env = "TERN_BENCH_WORKERS", value_delimiter = ',', default_value = "1,2,4")]
+    workers: Vec<usize>,
+    /// Single submits timed for the latency figures.
+    #[arg(long, env = "TERN_BENCH_LATENCY_SAMPLES", default_value_t = 1_000)]
+    latency_samples: usize,
+    /// Jobs per worker batch (TERN_BATCH_SIZE of the workers).
+    #[arg(long, default_value_t = 256)]
+    batch_size: usize,
+    /// Batches in flight per worker (TERN_CONCURRENCY of the workers).
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+}
+
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    pb
+}
+
+fn jobs(n: usize) -> Vec<Value> {
+    let priorities = ["urgent", "high", "normal", "low"];
+    (0..n).map(|i| json!({"kind": "echo", "priority": priorities[i % 4], "input": {"message": i}})).collect()
+}
+
+/// Submits with 4 batch requests in flight; returns seconds taken.
+async fn bulk_submit(cluster: &Cluster, n: usize, what: &str) -> Result<f64> {
+    let all = jobs(n);
+    let pb = bar(n as u64, what);
+    let start = Instant::now();
+    let chunks: Vec<&[Value]> = all.chunks(1000).collect();
+    for group in chunks.chunks(4) {
+        let sends = group.iter().map(|c| cluster.submit_all(c));
+        for r in futures::future::join_all(sends).await {
+            pb.inc(r?.len() as u64);
+        }
+    }
+    pb.finish_and_clear();
+    Ok(start.elapsed().as_secs_f64())
+}
+
+async fn succeeded(cluster: &Cluster) -> Result<i64> {
+    Ok(sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'").fetch_one(&cluster.pg).await?)
+}
+
+async fn wait_all_succeeded(cluster: &Cluster, n: usize, what: &str) -> Result<()> {
+    let pb = bar(n as u64, what);
+    loop {
+        let done = succeeded(cluster).await? as u64;
+        pb.set_position(done);
+        if done >= n as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    pb.finish_and_clear();
+    let failed: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state IN ('failed', 'canceled')")
+        .fetch_one(&cluster.pg)
+        .await?;
+    anyhow::ensure!(failed == 0, "{failed} jobs did not succeed");
+    Ok(())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let quiet = [("TERN_LOG", "warn")];
+    let worker_env = |batch: &str, conc: &str| -> Vec<(String, String)> {
+        vec![
+            ("TERN_LOG".into(), "warn".into()),
+            ("TERN_BATCH_SIZE".into(), batch.into()),
+            ("TERN_CONCURRENCY".into(), conc.into()),
+        ]
+    };
+    let batch = args.batch_size.to_string();
+    let conc = args.concurrency.to_string();
+    println!("tern-bench: {} jobs per run, worker batch {} x {} in flight", args.jobs, batch, conc);
+    println!("{:>8} {:>14} {:>14} {:>14}", "workers", "submit jobs/s", "drain jobs/s", "e2e jobs/s");
+    for &workers in &args.workers {
+        // Drain: a backlog first, then the workers.
+        let mut cluster = Cluster::start(&quiet).await?;
+        let submit_secs = bulk_submit(&cluster, args.jobs, "submitting backlog").await?;
+        let start = Instant::now();
+        let env = worker_env(&batch, &conc);
+        let env_ref: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let mut procs = Vec::new();
+        for _ in 0..workers {
+            procs.push(cluster.spawn_worker(&env_ref)?);
+        }
+        wait_all_succeeded(&cluster, args.jobs, "draining backlog").await?;
+        let drain_secs = start.elapsed().as_secs_f64();
+        drop(procs);
+        drop(cluster);
+
+        // End to end: workers running while the jobs arrive.
+        let mut cluster = Cluster::start(&quiet).await?;
+        let mut procs = Vec::new();
+        for _ in 0..workers {
+            procs.push(cluster.spawn_worker(&env_ref)?);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let start = Instant::now();
+        let (submitted, waited) = tokio::join!(
+            bulk_submit(&cluster, args.jobs, "submitting"),
+            wait_all_succeeded(&cluster, args.jobs, "running")
+        );
+        submitted?;
+        waited?;
+        let e2e_secs = start.elapsed().as_secs_f64();
+        drop(procs);
+        drop(cluster);
+        println!(
+            "{:>8} {:>14.0} {:>14.0} {:>14.0}",
+            workers,
+            args.jobs as f64 / submit_secs,
+            args.jobs as f64 / drain_secs,
+            args.jobs as f64 / e2e_secs
+        );
+    }
+
+    // Latency of single submits, one at a time, with nothing else running.
+    let cluster = Cluster::start(&quiet).await?;
+    let pb = bar(args.latency_samples as u64, "timing single submits");
+    let mut samples = Vec::with_capacity(args.latency_samples);
+    for i in 0..args.latency_samples {
+        let body = json!({"kind": "echo", "input": {"message": i}});
+        let start = Instant::now();
+        let (status, _) = cluster.post("/v1/jobs", &body).await?;
+        samples.push(start.elapsed().as_secs_f64() * 1000.0);
+        anyhow::ensure!(status == 201, "submit answered {status}");
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    samples.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    println!(
+        "submit latency (single POST /v1/jobs, sequential): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        percentile(&samples, 0.5),
+        percentile(&samples, 0.99),
+        samples[samples.len() - 1]
+    );
+    Ok(())
+}

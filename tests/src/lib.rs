@@ -1,0 +1,330 @@
+//! A test bundle for black-box tests and benchmarks: a private Postgres database, Redis key
+//! prefix and S3 bucket, and real `tern-api` / `tern-worker` processes started against them.
+//!
+//! Services: Postgres, Redis and an S3-compatible server must be up (`scripts/services.sh up`).
+//! Binaries: `TERN_BIN_DIR`, else the cargo target directory this test was built into.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use sqlx::PgPool;
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tern_jobs::object_store::ObjectStoreSettings;
+use tern_jobs::ObjectStore;
+use uuid::Uuid;
+
+/// Postgres server URL for creating test databases (`TERN_TEST_POSTGRES_URL`).
+pub fn postgres_admin_url() -> String {
+    std::env::var("TERN_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+pub fn redis_url() -> String {
+    std::env::var("TERN_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+pub fn s3_endpoint() -> String {
+    std::env::var("TERN_S3_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:8333".into())
+}
+
+fn s3_access_key() -> String {
+    std::env::var("TERN_S3_ACCESS_KEY").unwrap_or_else(|_| "tern-dev".into())
+}
+
+fn s3_secret_key() -> String {
+    std::env::var("TERN_S3_SECRET_KEY").unwrap_or_else(|_| "tern-dev-secret".into())
+}
+
+/// Where `tern-api` and `tern-worker` are.
+pub fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("TERN_BIN_DIR") {
+        return dir.into();
+    }
+    // Test binaries live in target/<profile>/deps; the project's binaries one level up.
+    let exe = std::env::current_exe().expect("current exe");
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// A running tern process, killed when dropped.
+pub struct Process {
+    pub name: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Process {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
+    /// SIGKILL: the process gets no chance to clean up.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait up to `timeout` for the exit status.
+    pub fn terminate(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let Some(child) = self.child.as_mut() else { bail!("{} is not running", self.name) };
+        Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("{} did not exit within {timeout:?} of SIGTERM", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A private tern deployment for one test.
+pub struct Cluster {
+    pub name: String,
+    pub database_url: String,
+    pub redis_prefix: String,
+    pub bucket: String,
+    pub base_url: String,
+    pub http: reqwest::Client,
+    pub pg: PgPool,
+    pub objects: ObjectStore,
+    pub api: Option<Process>,
+    api_env: Vec<(String, String)>,
+    api_port: u16,
+    workers: usize,
+    log_dir: PathBuf,
+}
+
+impl Cluster {
+    /// Creates the database, bucket and prefix and starts `tern-api` with `api_env` on top of
+    /// the defaults (`TERN_*` variables).
+    pub async fn start(api_env: &[(&str, &str)]) -> Result<Cluster> {
+        let name = format!("t{}", &Uuid::now_v7().simple().to_string()[20..]);
+        let admin = PgPool::connect(&postgres_admin_url()).await.context("connecting to Postgres")?;
+        sqlx::query(&format!("CREATE DATABASE tern_test_{name}")).execute(&admin).await?;
+        admin.close().await;
+        let base = postgres_admin_url();
+        let database_url = format!("{}/tern_test_{name}", base.rsplit_once('/').map_or(base.as_str(), |(b, _)| b));
+        let bucket = format!("tern-test-{name}");
+        let objects = ObjectStore::new(&ObjectStoreSettings {
+            endpoint: Some(s3_endpoint()),
+            region: "us-east-1".into(),
+            bucket: bucket.clone(),
+            access_key: s3_access_key(),
+            secret_key: s3_secret_key(),
+            path_style: true,
+            presign_ttl: Duration::from_secs(600),
+        });
+        let log_dir = bin_dir().join("tern-test-logs");
+        std::fs::create_dir_all(&log_dir)?;
+        let api_port = free_port();
+        let mut cluster = Cluster {
+            redis_prefix: format!("tern-test-{name}"),
+            base_url: format!("http://127.0.0.1:{api_port}"),
+            http: reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?,
+            pg: PgPool::connect(&database_url).await.ok().unwrap_or(PgPool::connect_lazy(&database_url)?),
+            database_url,
+            bucket,
+            objects,
+            api: None,
+            api_env: api_env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            api_port,
+            workers: 0,
+            log_dir,
+            name,
+        };
+        cluster.start_api().await?;
+        Ok(cluster)
+    }
+
+    fn base_env(&self) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("TERN_DATABASE_URL", self.database_url.clone()),
+            ("TERN_DATABASE_MAX_CONNECTIONS", "8".into()),
+            ("TERN_REDIS_URL", redis_url()),
+            ("TERN_REDIS_PREFIX", self.redis_prefix.clone()),
+            ("TERN_S3_ENDPOINT", s3_endpoint()),
+            ("TERN_S3_BUCKET", self.bucket.clone()),
+            ("TERN_S3_ACCESS_KEY", s3_access_key()),
+            ("TERN_S3_SECRET_KEY", s3_secret_key()),
+            ("TERN_LOG", std::env::var("TERN_TEST_LOG").unwrap_or_else(|_| "info".into())),
+        ];
+        env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+
+    fn spawn(&self, binary: &str, name: &str, env: &[(String, String)]) -> Result<Process> {
+        let log = self.log_dir.join(format!("{}-{name}.log", self.name));
+        let out = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(bin_dir().join(binary));
+        // Nothing from the developer's shell leaks into the deployment under test.
+        for (k, _) in std::env::vars() {
+            if k.starts_with("TERN_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.envs(self.base_env()).envs(env.iter().cloned()).stdout(Stdio::from(out.try_clone()?)).stderr(Stdio::from(out));
+        let child = cmd.spawn().with_context(|| format!("starting {binary} from {}", bin_dir().display()))?;
+        Ok(Process { name: name.to_string(), child: Some(child), log })
+    }
+
+    /// (Re)starts the API on its port and waits until `/readyz` answers 200.
+    pub async fn start_api(&mut self) -> Result<()> {
+        let mut env = vec![("TERN_LISTEN".to_string(), format!("127.0.0.1:{}", self.api_port))];
+        env.extend(self.api_env.iter().cloned());
+        let mut api = self.spawn("tern-api", "api", &env)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(resp) = self.http.get(format!("{}/readyz", self.base_url)).send().await {
+                if resp.status().is_success() {
+                    break;
+                }
+            }
+            if !api.is_running() || Instant::now() > deadline {
+                bail!("tern-api did not become ready:\n{}", api.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.api = Some(api);
+        Ok(())
+    }
+
+    /// Starts a worker with `env` on top of the defaults.
+    pub fn spawn_worker(&mut self, env: &[(&str, &str)]) -> Result<Process> {
+        self.workers += 1;
+        let name = format!("worker{}", self.workers);
+        let mut all = vec![("TERN_WORKER_ID".to_string(), name.clone())];
+        all.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        self.spawn("tern-worker", &name, &all)
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base_url)
+    }
+
+    /// POSTs JSON; returns the status and the JSON body.
+    pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
+        let resp = self.http.post(self.url(path)).json(body).send().await?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.json().await.unwrap_or(Value::Null)))
+    }
+
+    pub async fn get(&self, path: &str) -> Result<(u16, Value)> {
+        let resp = self.http.get(self.url(path)).send().await?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.json().await.unwrap_or(Value::Null)))
+    }
+
+    /// Submits jobs through `POST /v1/jobs/batch` in chunks of 1,000; returns their ids in order.
+    pub async fn submit_all(&self, jobs: &[Value]) -> Result<Vec<Uuid>> {
+        let mut ids = Vec::with_capacity(jobs.len());
+        for chunk in jobs.chunks(1000) {
+            let (status, body) = self.post("/v1/jobs/batch", &serde_json::json!({ "jobs": chunk })).await?;
+            if status != 201 {
+                bail!("batch submit answered {status}: {body}");
+            }
+            for job in body["jobs"].as_array().context("jobs array")? {
+                ids.push(job["id"].as_str().context("id")?.parse()?);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Waits until every job is in a terminal state; returns the count per state.
+    pub async fn wait_terminal(&self, ids: &[Uuid], timeout: Duration) -> Result<HashMap<String, i64>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let rows: Vec<(String, i64)> =
+                sqlx::query_as("SELECT state, count(*) FROM jobs WHERE id = ANY($1) GROUP BY state")
+                    .bind(ids)
+                    .fetch_all(&self.pg)
+                    .await?;
+            let counts: HashMap<String, i64> = rows.into_iter().collect();
+            let terminal: i64 = ["succeeded", "failed", "canceled"].iter().filter_map(|s| counts.get(*s)).sum();
+            if terminal as usize == ids.len() {
+                return Ok(counts);
+            }
+            if Instant::now() > deadline {
+                bail!("only {terminal} of {} jobs finished within {timeout:?}: {counts:?}", ids.len());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until `check` holds, polling every 50 ms.
+    pub async fn wait_until<F, Fut>(&self, what: &str, timeout: Duration, mut check: F) -> Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool>>,
+    {
+        let deadline = Instant::now() + timeout;
+        while !check().await? {
+            if Instant::now() > deadline {
+                bail!("timed out after {timeout:?} waiting for {what}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    /// A job's state straight from Postgres.
+    pub async fn state_of(&self, id: Uuid) -> Result<String> {
+        Ok(sqlx::query_scalar("SELECT state FROM jobs WHERE id = $1").bind(id).fetch_one(&self.pg).await?)
+    }
+
+    /// A Redis connection for inspecting (or wiping) the queue.
+    pub async fn redis(&self) -> Result<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(redis_url())?;
+        Ok(client.get_multiplexed_async_connection().await?)
+    }
+
+    /// Members of one of a kind's queue sets (`ready`, `delayed`, `leases`).
+    pub async fn queue_len(&self, kind: &str, set: &str) -> Result<u64> {
+        let mut r = self.redis().await?;
+        Ok(redis::cmd("ZCARD").arg(format!("{}:{{{kind}}}:{set}", self.redis_prefix)).query_async(&mut r).await?)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(mut api) = self.api.take() {
+            api.kill9();
+        }
+        // Best effort: the database is private to this test.
+        let _ = Command::new("psql")
+            .arg(postgres_admin_url())
+            .arg("-qc")
+            .arg(format!("DROP DATABASE IF EXISTS tern_test_{} WITH (FORCE)", self.name))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}

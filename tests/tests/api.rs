@@ -1,0 +1,216 @@
+//! The HTTP API's contract: idempotency, stable error codes, cancel, files, listing, limits.
+
+use base64::Engine;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::time::Duration;
+use tern_e2e::Cluster;
+use uuid::Uuid;
+
+async fn job_count(cluster: &Cluster) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(&cluster.pg).await.unwrap()
+}
+
+#[tokio::test]
+async fn an_idempotency_key_replays_the_same_job_and_refuses_a_different_body() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let body = json!({"kind": "echo", "input": {"message": "once"}});
+    let send = |body: Value| {
+        cluster.http.post(cluster.url("/v1/jobs")).header("Idempotency-Key", "order-42").json(&body).send()
+    };
+    let first = send(body.clone()).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let first: Value = first.json().await.unwrap();
+    let again = send(body.clone()).await.unwrap();
+    assert_eq!(again.status(), 200);
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(first["id"], again["id"]);
+    let other = send(json!({"kind": "echo", "input": {"message": "twice"}})).await.unwrap();
+    assert_eq!(other.status(), 409);
+    let other: Value = other.json().await.unwrap();
+    assert_eq!(other["error"]["code"], "idempotency_conflict");
+    assert_eq!(job_count(&cluster).await, 1);
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_4xx_with_a_stable_code_and_nothing_is_enqueued() {
+    let cluster = Cluster::start(&[("TERN_MAX_BODY_BYTES", "65536")]).await.unwrap();
+    let cases: Vec<(&str, Value, u16, &str)> = vec![
+        ("unknown kind", json!({"kind": "paint", "input": {}}), 400, "unknown_kind"),
+        ("missing kind", json!({"input": {}}), 400, "invalid_request"),
+        ("invalid priority", json!({"kind": "echo", "priority": "asap", "input": {}}), 400, "invalid_priority"),
+        ("priority not a string", json!({"kind": "echo", "priority": 1, "input": {}}), 400, "invalid_priority"),
+        ("input failing its schema", json!({"kind": "echo", "input": {"sleep_ms": "long"}}), 422, "invalid_input"),
+        ("unknown input field", json!({"kind": "echo", "input": {"colour": "red"}}), 422, "invalid_input"),
+        ("missing input", json!({"kind": "echo"}), 422, "invalid_input"),
+        ("bad base64", json!({"kind": "echo", "input": {"file": {"base64": "%%%not base64"}}}), 400, "invalid_base64"),
+        ("non-http URL", json!({"kind": "echo", "input": {"file": {"url": "file:///etc/passwd"}}}), 400, "invalid_url"),
+        ("ftp URL", json!({"kind": "echo", "input": {"file": {"url": "ftp://example.com/a.wav"}}}), 400, "invalid_url"),
+        ("missing upload", json!({"kind": "echo", "input": {"file": {"upload_key": "uploads/nothing-here"}}}), 400, "upload_not_found"),
+        ("unknown field", json!({"kind": "echo", "input": {}, "colour": "red"}), 400, "invalid_request"),
+        ("bad max_attempts", json!({"kind": "echo", "input": {}, "max_attempts": 0}), 400, "invalid_request"),
+        ("bad run_at", json!({"kind": "echo", "input": {}, "run_at": "tomorrow"}), 400, "invalid_request"),
+        ("huge metadata", json!({"kind": "echo", "input": {}, "metadata": {"x": "y".repeat(17_000)}}), 400, "metadata_too_large"),
+        ("oversized body", json!({"kind": "echo", "input": {"message": "z".repeat(70_000)}}), 413, "body_too_large"),
+        ("not an object", json!([1, 2]), 400, "invalid_request"),
+    ];
+    for (what, body, status, code) in cases {
+        let (got_status, got) = cluster.post("/v1/jobs", &body).await.unwrap();
+        assert_eq!(got_status, status, "{what}: {got}");
+        assert_eq!(got["error"]["code"], code, "{what}: {got}");
+        assert!(got["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}");
+    }
+    // Malformed JSON.
+    let resp = cluster.http.post(cluster.url("/v1/jobs")).header("content-type", "application/json").body("{\"kind\": ").send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_json");
+    // A batch with one bad job is refused whole.
+    let (status, body) = cluster
+        .post("/v1/jobs/batch", &json!({"jobs": [{"kind": "echo", "input": {}}, {"kind": "echo", "priority": "soon", "input": {}}]}))
+        .await
+        .unwrap();
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["code"], "invalid_priority");
+    assert!(body["error"]["message"].as_str().unwrap().starts_with("jobs[1]"));
+    let (status, body) = cluster.post("/v1/jobs/batch", &json!({"jobs": []})).await.unwrap();
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("batch_too_large")));
+
+    assert_eq!(job_count(&cluster).await, 0);
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 0);
+    // The API is still serving.
+    let (status, _) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {}})).await.unwrap();
+    assert_eq!(status, 201);
+}
+
+#[tokio::test]
+async fn cancel_stops_a_queued_job_at_once_and_a_running_job_at_its_next_check() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let (_, queued) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {"message": "never"}})).await.unwrap();
+    let queued_id = queued["id"].as_str().unwrap().to_string();
+    let (status, canceled) = cluster.post(&format!("/v1/jobs/{queued_id}/cancel"), &json!({})).await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(canceled["state"], "canceled");
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 0);
+
+    let (_, sleeper) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {"sleep_ms": 60000}})).await.unwrap();
+    let sleeper_id: Uuid = sleeper["id"].as_str().unwrap().parse().unwrap();
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    cluster
+        .wait_until("the sleeper to run", Duration::from_secs(20), || async { Ok(cluster.state_of(sleeper_id).await? == "running") })
+        .await
+        .unwrap();
+    let (status, requested) = cluster.post(&format!("/v1/jobs/{sleeper_id}/cancel"), &json!({})).await.unwrap();
+    assert_eq!(status, 202);
+    assert_eq!(requested["cancel_requested"], true);
+    cluster.wait_terminal(&[sleeper_id], Duration::from_secs(10)).await.unwrap();
+    assert_eq!(cluster.state_of(sleeper_id).await.unwrap(), "canceled");
+
+    // A finished job cannot be canceled, and the queued one never ran.
+    let (status, body) = cluster.post(&format!("/v1/jobs/{sleeper_id}/cancel"), &json!({})).await.unwrap();
+    assert_eq!((status, body["error"]["code"].as_str()), (409, Some("job_finished")));
+    let (_, never) = cluster.get(&format!("/v1/jobs/{queued_id}")).await.unwrap();
+    assert_eq!(never["attempts"], 0);
+    let (status, _) = cluster.post(&format!("/v1/jobs/{}/cancel", Uuid::now_v7()), &json!({})).await.unwrap();
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn files_arrive_as_base64_as_a_presigned_upload_or_by_url() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let content = b"RIFF....WAVEfmt pretend audio".repeat(100);
+    let digest = hex::encode(Sha256::digest(&content));
+
+    // 1. base64 in the body.
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&content);
+    let (status, inline) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {"file": {"base64": b64}}})).await.unwrap();
+    assert_eq!(status, 201, "{inline}");
+    assert!(inline["input"]["file"]["upload_key"].as_str().unwrap().starts_with("uploads/"), "base64 is moved to storage");
+
+    // 2. a presigned PUT.
+    let (status, upload) = cluster.post("/v1/uploads", &json!({})).await.unwrap();
+    assert_eq!(status, 201);
+    let put = cluster.http.put(upload["url"].as_str().unwrap()).body(content.clone()).send().await.unwrap();
+    assert!(put.status().is_success(), "presigned PUT answered {}", put.status());
+    let key = upload["upload_key"].as_str().unwrap();
+    let (status, uploaded) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {"file": {"upload_key": key}}})).await.unwrap();
+    assert_eq!(status, 201, "{uploaded}");
+
+    // 3. an http URL (a presigned GET of the same object serves it).
+    let url = cluster.objects.presign_get(key).await.unwrap();
+    let (status, by_url) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {"file": {"url": url}}})).await.unwrap();
+    assert_eq!(status, 201, "{by_url}");
+
+    let ids: Vec<Uuid> = [&inline, &uploaded, &by_url].iter().map(|j| j["id"].as_str().unwrap().parse().unwrap()).collect();
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    cluster.wait_terminal(&ids, Duration::from_secs(30)).await.unwrap();
+    for id in ids {
+        let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
+        assert_eq!(job["state"], "succeeded", "{job}");
+        let output: Value = reqwest::get(job["output"]["url"].as_str().unwrap()).await.unwrap().json().await.unwrap();
+        assert_eq!(output["file"]["sha256"], digest.as_str());
+        assert_eq!(output["file"]["size"], content.len());
+    }
+}
+
+#[tokio::test]
+async fn listing_pages_newest_first_and_filters_by_state_and_kind() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let jobs: Vec<Value> = (0..7).map(|i| json!({"kind": "echo", "input": {"message": i}})).collect();
+    let ids = cluster.submit_all(&jobs).await.unwrap();
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/jobs?limit=3&state=queued&kind=echo&cursor={c}"),
+            None => "/v1/jobs?limit=3&state=queued&kind=echo".to_string(),
+        };
+        let (status, page) = cluster.get(&path).await.unwrap();
+        assert_eq!(status, 200);
+        for job in page["jobs"].as_array().unwrap() {
+            seen.push(job["id"].as_str().unwrap().parse::<Uuid>().unwrap());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    let mut newest_first = ids.clone();
+    newest_first.reverse();
+    assert_eq!(seen, newest_first);
+    let (_, none) = cluster.get("/v1/jobs?state=succeeded").await.unwrap();
+    assert_eq!(none["jobs"].as_array().unwrap().len(), 0);
+    let (status, bad) = cluster.get("/v1/jobs?state=sleeping").await.unwrap();
+    assert_eq!((status, bad["error"]["code"].as_str()), (400, Some("invalid_state")));
+    // A queued job shows where it stands.
+    let (_, first) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
+    assert_eq!(first["queue_position"], 0);
+    let (_, last) = cluster.get(&format!("/v1/jobs/{}", ids[6])).await.unwrap();
+    assert_eq!(last["queue_position"], 6);
+    let (status, _) = cluster.get(&format!("/v1/jobs/{}", Uuid::now_v7())).await.unwrap();
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn a_full_queue_answers_503_queue_full_with_retry_after() {
+    let cluster = Cluster::start(&[("TERN_MAX_QUEUED", "5")]).await.unwrap();
+    let jobs: Vec<Value> = (0..5).map(|_| json!({"kind": "echo", "input": {}})).collect();
+    cluster.submit_all(&jobs).await.unwrap();
+    let resp = cluster.http.post(cluster.url("/v1/jobs")).json(&json!({"kind": "echo", "input": {}})).send().await.unwrap();
+    assert_eq!(resp.status(), 503);
+    assert!(resp.headers().get("retry-after").is_some());
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "queue_full");
+    assert_eq!(job_count(&cluster).await, 5);
+}
+
+#[tokio::test]
+async fn health_and_readiness_report_the_backing_services() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let (status, health) = cluster.get("/healthz").await.unwrap();
+    assert_eq!((status, health["status"].as_str()), (200, Some("ok")));
+    let (status, ready) = cluster.get("/readyz").await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(ready["checks"], json!({"postgres": "ok", "redis": "ok", "s3": "ok"}));
+}

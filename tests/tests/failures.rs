@@ -1,0 +1,151 @@
+//! Nothing is lost: killed workers, a wiped Redis and shutdowns all end every job exactly once.
+
+use serde_json::{json, Value};
+use std::time::Duration;
+use tern_e2e::Cluster;
+use tern_jobs::store::{Outcome, Settlement};
+use tern_jobs::{JobOutput, RetryPolicy, Store};
+use uuid::Uuid;
+
+fn sleeping_jobs(n: usize, sleep_ms: u64) -> Vec<Value> {
+    (0..n).map(|i| json!({"kind": "echo", "input": {"message": i, "sleep_ms": sleep_ms}})).collect()
+}
+
+/// Jobs whose timeline has other than exactly one terminal event.
+async fn jobs_without_exactly_one_terminal_event(cluster: &Cluster, ids: &[Uuid]) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
+         WHERE (SELECT count(*) FROM job_events e
+                WHERE e.job_id = j.id AND e.state IN ('succeeded', 'failed', 'canceled')) <> 1",
+    )
+    .bind(ids)
+    .fetch_one(&cluster.pg)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn jobs_of_a_killed_worker_run_again_elsewhere_and_its_stale_tokens_are_refused() {
+    let lease = [("TERN_LEASE_MS", "1500")];
+    let mut cluster = Cluster::start(&lease).await.unwrap();
+    let ids = cluster.submit_all(&sleeping_jobs(10, 4000)).await.unwrap();
+    let mut doomed = cluster.spawn_worker(&[("TERN_LEASE_MS", "1500"), ("TERN_BATCH_SIZE", "10")]).unwrap();
+    cluster
+        .wait_until("the first worker to hold all ten jobs", Duration::from_secs(20), || async {
+            let running: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running' AND worker_id = 'worker1'")
+                .fetch_one(&cluster.pg)
+                .await?;
+            Ok(running == 10)
+        })
+        .await
+        .unwrap();
+    let stale: Vec<(Uuid, i64)> = sqlx::query_as("SELECT id, lease_token FROM jobs WHERE id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&cluster.pg)
+        .await
+        .unwrap();
+    doomed.kill9();
+    let _rescuer = cluster.spawn_worker(&[("TERN_LEASE_MS", "1500")]).unwrap();
+
+    let counts = cluster.wait_terminal(&ids, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(counts.get("succeeded"), Some(&10), "{counts:?}");
+    let reruns: Vec<(i32, String)> = sqlx::query_as("SELECT attempts, worker_id FROM jobs WHERE id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&cluster.pg)
+        .await
+        .unwrap();
+    for (attempts, worker) in &reruns {
+        assert_eq!(*attempts, 2, "the lost attempt counts");
+        assert_eq!(worker, "worker2");
+    }
+    assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
+
+    // The dead worker's leases can no longer settle anything.
+    let store = Store::connect(&cluster.database_url, 2).await.unwrap();
+    let forged = JobOutput { key: "forged".into(), size: 0, sha256: "0".repeat(64), content_type: "text/plain".into() };
+    let settlements: Vec<Settlement> = stale
+        .iter()
+        .map(|(id, token)| Settlement { id: *id, token: *token, outcome: Outcome::Succeeded(forged.clone()) })
+        .collect();
+    let accepted = store.settle(&settlements, RetryPolicy::default()).await.unwrap();
+    assert!(accepted.is_empty(), "a stale token settled {accepted:?}");
+    let keys: Vec<String> = sqlx::query_scalar("SELECT output->>'key' FROM jobs WHERE id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&cluster.pg)
+        .await
+        .unwrap();
+    assert!(keys.iter().all(|k| k != "forged"));
+}
+
+#[tokio::test]
+async fn after_redis_flushall_the_reconciler_restores_500_queued_jobs_and_each_runs_once() {
+    let mut cluster = Cluster::start(&[("TERN_RECONCILE_INTERVAL_MS", "500")]).await.unwrap();
+    let jobs: Vec<Value> = (0..500).map(|i| json!({"kind": "echo", "input": {"message": i}})).collect();
+    let ids = cluster.submit_all(&jobs).await.unwrap();
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 500);
+
+    let mut redis = cluster.redis().await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut redis).await.unwrap();
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 0);
+
+    let _w1 = cluster.spawn_worker(&[]).unwrap();
+    let _w2 = cluster.spawn_worker(&[]).unwrap();
+    let counts = cluster.wait_terminal(&ids, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(counts.get("succeeded"), Some(&500), "{counts:?}");
+    let ran_more_than_once: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
+         WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state = 'running') <> 1",
+    )
+    .bind(&ids)
+    .fetch_one(&cluster.pg)
+    .await
+    .unwrap();
+    assert_eq!(ran_more_than_once, 0);
+    assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
+}
+
+#[tokio::test]
+async fn sigterm_lets_a_worker_finish_its_batch_within_the_grace_period() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let ids = cluster.submit_all(&sleeping_jobs(3, 1500)).await.unwrap();
+    let mut worker = cluster.spawn_worker(&[("TERN_SHUTDOWN_GRACE_MS", "10000")]).unwrap();
+    cluster
+        .wait_until("the jobs to start", Duration::from_secs(20), || async {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&cluster.pg).await?;
+            Ok(n == 3)
+        })
+        .await
+        .unwrap();
+    let status = worker.terminate(Duration::from_secs(15)).unwrap();
+    assert!(status.success(), "{status:?}");
+    for id in &ids {
+        assert_eq!(cluster.state_of(*id).await.unwrap(), "succeeded");
+    }
+}
+
+#[tokio::test]
+async fn sigterm_hands_unfinished_jobs_back_when_the_grace_period_runs_out() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let ids = cluster.submit_all(&sleeping_jobs(3, 60_000)).await.unwrap();
+    let mut worker = cluster.spawn_worker(&[("TERN_SHUTDOWN_GRACE_MS", "500")]).unwrap();
+    cluster
+        .wait_until("the jobs to start", Duration::from_secs(20), || async {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&cluster.pg).await?;
+            Ok(n == 3)
+        })
+        .await
+        .unwrap();
+    let status = worker.terminate(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "{status:?}");
+    let rows: Vec<(String, i32)> = sqlx::query_as("SELECT state, attempts FROM jobs WHERE id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&cluster.pg)
+        .await
+        .unwrap();
+    for (state, attempts) in rows {
+        assert_eq!(state, "queued");
+        assert_eq!(attempts, 0, "a released attempt does not count");
+    }
+    // Back in the queue, ready for the next worker.
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap() + cluster.queue_len("echo", "delayed").await.unwrap(), 3);
+}

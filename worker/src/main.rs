@@ -1,0 +1,144 @@
+//! `tern-worker`: pulls batches of jobs from the Redis queue, runs them, writes their outputs to
+//! S3-compatible storage and records the outcome in Postgres. Run as many as you like, on as
+//! many machines: leases and fencing tokens keep each job's outcome single.
+
+mod file_fetch;
+mod kinds;
+mod lease_keeper;
+mod runner;
+mod stop;
+
+use anyhow::Context;
+use clap::Parser;
+use runner::{Runner, RunnerSettings};
+use std::sync::Arc;
+use std::time::Duration;
+use tern_jobs::config::{DatabaseArgs, LogArgs, QueueArgs, S3Args};
+use tern_jobs::{JobKind, ObjectStore, Store};
+
+#[derive(Parser, Debug)]
+#[command(name = "tern-worker", version, about = "tern's worker: runs queued inference jobs in batches")]
+struct Cli {
+    /// This worker's id in job records and logs. Default: host name, process id and a random suffix.
+    #[arg(long, env = "TERN_WORKER_ID")]
+    worker_id: Option<String>,
+    /// Job kinds to run, comma-separated. Default: every kind.
+    #[arg(long, env = "TERN_WORKER_KINDS", value_delimiter = ',')]
+    kinds: Vec<String>,
+    /// Most jobs per batch.
+    #[arg(long, env = "TERN_BATCH_SIZE", default_value_t = 64)]
+    batch_size: usize,
+    /// Cost budget of a batch (echo jobs cost 1). Default: the batch size.
+    #[arg(long, env = "TERN_BATCH_BUDGET")]
+    batch_budget: Option<i64>,
+    /// Batches in flight at once; more overlaps one batch's database round trips with
+    /// another's work.
+    #[arg(long, env = "TERN_CONCURRENCY", default_value_t = 4)]
+    concurrency: usize,
+    /// On SIGTERM, how long (ms) batches in hand may take to finish before their jobs are handed
+    /// back to the queue.
+    #[arg(long, env = "TERN_SHUTDOWN_GRACE_MS", default_value_t = 30_000)]
+    shutdown_grace_ms: u64,
+    /// How often (ms) leases are extended (and cancels noticed). Keep well under the lease.
+    #[arg(long, env = "TERN_HEARTBEAT_MS", default_value_t = 1_000)]
+    heartbeat_ms: u64,
+    /// Longest wait (ms) between pulls while the queue is empty.
+    #[arg(long, env = "TERN_IDLE_POLL_MAX_MS", default_value_t = 100)]
+    idle_poll_max_ms: u64,
+    /// Most output uploads in flight at once.
+    #[arg(long, env = "TERN_UPLOAD_CONCURRENCY", default_value_t = 64)]
+    upload_concurrency: usize,
+    /// Largest input file (bytes) a job may bring by URL or upload.
+    #[arg(long, env = "TERN_MAX_FILE_BYTES", default_value_t = 512 * 1024 * 1024)]
+    max_file_bytes: u64,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    #[command(flatten)]
+    queue: QueueArgs,
+    #[command(flatten)]
+    s3: S3Args,
+    #[command(flatten)]
+    log: LogArgs,
+}
+
+fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "worker".into());
+    let suffix = uuid::Uuid::now_v7().simple().to_string();
+    format!("{host}-{}-{}", std::process::id(), &suffix[suffix.len() - 6..])
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tern_jobs::logging::init(&cli.log);
+    let kinds: Vec<JobKind> = if cli.kinds.is_empty() {
+        JobKind::ALL.to_vec()
+    } else {
+        cli.kinds
+            .iter()
+            .map(|k| k.trim().parse().map_err(|()| anyhow::anyhow!("unknown job kind {k:?}")))
+            .collect::<anyhow::Result<_>>()?
+    };
+    let worker_id = cli.worker_id.clone().unwrap_or_else(default_worker_id);
+    let store = Store::connect(&cli.database.database_url, cli.database.database_max_connections)
+        .await
+        .context("connecting to Postgres")?;
+    let queue = cli.queue.connect().context("configuring Redis")?;
+    queue.ping().await.context("reaching Redis")?;
+    let objects = ObjectStore::new(&cli.s3.settings());
+    objects.ensure_bucket().await.context("reaching the S3 bucket")?;
+
+    let runner = Arc::new(Runner {
+        settings: RunnerSettings {
+            worker_id: worker_id.clone(),
+            kinds: kinds.clone(),
+            batch_size: cli.batch_size.max(1),
+            batch_budget: cli.batch_budget.unwrap_or(cli.batch_size as i64).max(1),
+            heartbeat: Duration::from_millis(cli.heartbeat_ms.max(10)),
+            idle_poll_max: Duration::from_millis(cli.idle_poll_max_ms.max(1)),
+            retry: cli.queue.retry_policy(),
+        },
+        store,
+        queue,
+        objects: objects.clone(),
+        files: file_fetch::FileFetcher { objects, http: reqwest::Client::new(), max_bytes: cli.max_file_bytes },
+        uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
+    });
+
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let (abort_tx, abort_rx) = tokio::sync::watch::channel(false);
+    let loops: Vec<_> = (0..cli.concurrency.max(1))
+        .map(|_| tokio::spawn(runner.clone().run_loop(shutdown_rx.clone(), abort_rx.clone())))
+        .collect();
+    tracing::info!(worker_id = %worker_id, kinds = ?kinds, batch_size = cli.batch_size, concurrency = cli.concurrency, "tern-worker ready");
+
+    shutdown_signal().await;
+    tracing::info!(grace_ms = cli.shutdown_grace_ms, "stopping: no more pulls; finishing the batches in hand");
+    let _ = shutdown_tx.send(true);
+    let grace = Duration::from_millis(cli.shutdown_grace_ms);
+    let all = futures::future::join_all(loops);
+    tokio::pin!(all);
+    tokio::select! {
+        _ = &mut all => {}
+        _ = tokio::time::sleep(grace) => {
+            tracing::warn!("grace period over: handing the jobs in hand back to the queue");
+            let _ = abort_tx.send(true);
+            all.await;
+        }
+    }
+    tracing::info!("tern-worker stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

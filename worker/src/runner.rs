@@ -1,0 +1,183 @@
+//! The worker's loop: pull a batch, mark it running, execute it, store outputs, settle it.
+//! Postgres sees two statements per batch (start, settle), Redis two scripts (pull, settle)
+//! plus a heartbeat per second while the batch runs.
+
+use crate::file_fetch::FileFetcher;
+use crate::kinds::{self, Context, Execution};
+use crate::lease_keeper::{self, HeldJob};
+use crate::stop::{StopReason, StopSignal};
+use chrono::Utc;
+use std::sync::Arc;
+use std::time::Duration;
+use tern_jobs::queue::{Lease, SettleAction};
+use tern_jobs::store::{Outcome, Settlement};
+use tern_jobs::{Failure, Job, JobKind, JobState, ObjectStore, Queue, RetryPolicy, Store};
+use tokio::sync::{watch, Semaphore};
+
+/// How the worker pulls and runs batches.
+#[derive(Debug, Clone)]
+pub struct RunnerSettings {
+    pub worker_id: String,
+    pub kinds: Vec<JobKind>,
+    /// Most jobs per batch.
+    pub batch_size: usize,
+    /// Cost budget per batch.
+    pub batch_budget: i64,
+    pub heartbeat: Duration,
+    /// Longest sleep between pulls while the queue is empty.
+    pub idle_poll_max: Duration,
+    pub retry: RetryPolicy,
+}
+
+pub struct Runner {
+    pub settings: RunnerSettings,
+    pub store: Store,
+    pub queue: Queue,
+    pub objects: ObjectStore,
+    pub files: FileFetcher,
+    /// Bounds concurrent output uploads across the worker's loops.
+    pub uploads: Semaphore,
+}
+
+impl Runner {
+    /// Pulls and runs batches until `shutdown` is set. When `abort` is set (the grace period
+    /// ran out), the batch in hand is handed back to the queue.
+    pub async fn run_loop(self: Arc<Self>, mut shutdown: watch::Receiver<bool>, abort: watch::Receiver<bool>) {
+        let mut idle = Duration::from_millis(1);
+        let mut next_kind = 0;
+        while !*shutdown.borrow() {
+            let kind = self.settings.kinds[next_kind % self.settings.kinds.len()];
+            next_kind += 1;
+            match self.queue.pull(kind, self.settings.batch_size, self.settings.batch_budget).await {
+                Ok(leases) if !leases.is_empty() => {
+                    idle = Duration::from_millis(1);
+                    if let Err(e) = self.run_batch(kind, leases, abort.clone()).await {
+                        // The leases expire and the reaper returns the jobs; nothing is lost.
+                        tracing::error!(error = %e, kind = %kind, "batch failed on a backing service");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+                Ok(_) => {
+                    if next_kind % self.settings.kinds.len() == 0 {
+                        tokio::select! {
+                            _ = tokio::time::sleep(idle) => {}
+                            _ = shutdown.changed() => {}
+                        }
+                        idle = (idle * 2).min(self.settings.idle_poll_max);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "pull failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = shutdown.changed() => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn run_batch(&self, kind: JobKind, leases: Vec<Lease>, mut abort: watch::Receiver<bool>) -> tern_jobs::Result<()> {
+        let pairs: Vec<(uuid::Uuid, i64)> = leases.iter().map(|l| (l.id, l.token)).collect();
+        let jobs = self.store.start(&self.settings.worker_id, &pairs).await?;
+        // Leases Postgres refused: the job was canceled, finished or is held elsewhere.
+        let refused: Vec<_> = leases
+            .iter()
+            .filter(|l| !jobs.iter().any(|j| j.id == l.id))
+            .map(|l| (l.id, l.token, SettleAction::Drop))
+            .collect();
+        if !refused.is_empty() {
+            self.queue.settle(kind, &refused).await?;
+        }
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let signals: Vec<StopSignal> = jobs.iter().map(|_| StopSignal::new()).collect();
+        let held = jobs
+            .iter()
+            .zip(&signals)
+            .map(|(j, s)| HeldJob { id: j.id, token: j.lease_token.unwrap_or_default(), stop: s.clone() })
+            .collect();
+        let keeper = tokio::spawn(lease_keeper::keep(self.queue.clone(), kind, held, self.settings.heartbeat));
+        let release_on_abort = {
+            let signals = signals.clone();
+            async move {
+                if abort.wait_for(|a| *a).await.is_ok() {
+                    for s in &signals {
+                        s.raise(StopReason::Release);
+                    }
+                }
+                std::future::pending::<()>().await
+            }
+        };
+        let work = futures::future::join_all(jobs.iter().zip(&signals).map(|(job, stop)| self.attempt(job, stop)));
+        let outcomes = tokio::select! {
+            outcomes = work => outcomes,
+            _ = release_on_abort => unreachable!("never resolves"),
+        };
+        keeper.abort();
+
+        let settlements: Vec<Settlement> = jobs
+            .iter()
+            .zip(outcomes)
+            .filter_map(|(job, outcome)| {
+                outcome.map(|outcome| Settlement { id: job.id, token: job.lease_token.unwrap_or_default(), outcome })
+            })
+            .collect();
+        let settled = self.store.settle(&settlements, self.settings.retry).await?;
+        let now = Utc::now();
+        let actions: Vec<_> = settlements
+            .iter()
+            .map(|s| {
+                let action = match settled.iter().find(|x| x.id == s.id) {
+                    None => SettleAction::Drop,
+                    Some(x) => match x.state {
+                        JobState::Retrying => SettleAction::At(x.run_at.unwrap_or(now)),
+                        JobState::Queued => SettleAction::At(now),
+                        _ => SettleAction::Done,
+                    },
+                };
+                (s.id, s.token, action)
+            })
+            .collect();
+        self.queue.settle(kind, &actions).await?;
+        if settled.len() < settlements.len() {
+            tracing::warn!(refused = settlements.len() - settled.len(), "outcomes refused: their leases had expired");
+        }
+        Ok(())
+    }
+
+    /// Runs one job to an outcome; `None` when its lease was lost (nothing may be reported).
+    async fn attempt(&self, job: &Job, stop: &StopSignal) -> Option<Outcome> {
+        let ctx = Context { worker_id: &self.settings.worker_id, files: &self.files, stop };
+        let timeout = Duration::from_millis(job.timeout_ms.max(1) as u64);
+        let execution = match tokio::time::timeout(timeout, kinds::execute(job, &ctx)).await {
+            Ok(execution) => execution,
+            Err(_) => {
+                return Some(Outcome::Retry(Failure::new(
+                    "timeout",
+                    format!("the attempt ran longer than its timeout of {} ms", job.timeout_ms),
+                )))
+            }
+        };
+        match execution {
+            Execution::Output { body, content_type, extension } => {
+                // The key carries the lease token: a stale attempt can never overwrite the
+                // object a newer attempt recorded.
+                let key = format!("outputs/{}/{}.{extension}", job.id, job.lease_token.unwrap_or_default());
+                let _permit = self.uploads.acquire().await.expect("never closed");
+                match self.objects.put(&key, body, content_type).await {
+                    Ok(output) => Some(Outcome::Succeeded(output)),
+                    Err(e) => Some(Outcome::Retry(Failure::new("output_upload_failed", e.to_string()))),
+                }
+            }
+            Execution::Failed { failure, permanent: true } => Some(Outcome::Failed(failure)),
+            Execution::Failed { failure, permanent: false } => Some(Outcome::Retry(failure)),
+            Execution::Stopped => match stop.reason() {
+                Some(StopReason::Cancel) => Some(Outcome::Canceled),
+                Some(StopReason::Release) => Some(Outcome::Released),
+                Some(StopReason::LeaseLost) | None => None,
+            },
+        }
+    }
+}
