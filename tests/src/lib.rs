@@ -167,7 +167,7 @@ impl Cluster {
     }
 
     fn base_env(&self) -> Vec<(String, String)> {
-        let mut env = vec![
+        let env = vec![
             ("TERN_DATABASE_URL", self.database_url.clone()),
             ("TERN_DATABASE_MAX_CONNECTIONS", "8".into()),
             ("TERN_REDIS_URL", redis_url()),
