@@ -1,7 +1,9 @@
 //! S3-compatible object storage for uploads and job outputs (aws-sdk-s3).
 
 use crate::{JobOutput, Result};
-use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
+use aws_sdk_s3::config::{
+    BehaviorVersion, Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation,
+};
 use aws_sdk_s3::presigning::PresigningConfig;
 use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::Client;
@@ -44,7 +46,11 @@ impl ObjectStore {
             .behavior_version(BehaviorVersion::latest())
             .region(Region::new(settings.region.clone()))
             .credentials_provider(credentials)
-            .force_path_style(settings.path_style);
+            .force_path_style(settings.path_style)
+            // Flexible checksums (aws-chunked uploads with CRC trailers) cost CPU on both ends
+            // for every small output; TCP and SigV4's payload hash already guard the bytes.
+            .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
+            .response_checksum_validation(ResponseChecksumValidation::WhenRequired);
         if let Some(endpoint) = &settings.endpoint {
             builder = builder.endpoint_url(endpoint);
         }

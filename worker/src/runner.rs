@@ -164,7 +164,7 @@ impl Runner {
             Execution::Output { body, content_type, extension } => {
                 // The key carries the lease token: a stale attempt can never overwrite the
                 // object a newer attempt recorded.
-                let key = format!("outputs/{}/{}.{extension}", job.id, job.lease_token.unwrap_or_default());
+                let key = format!("outputs/{}.{}.{extension}", job.id, job.lease_token.unwrap_or_default());
                 let _permit = self.uploads.acquire().await.expect("never closed");
                 match self.objects.put(&key, body, content_type).await {
                     Ok(output) => Some(Outcome::Succeeded(output)),
