@@ -26,12 +26,6 @@ bash scripts/services.sh up
 # shellcheck source=env.sh
 . scripts/env.sh
 
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tern/target}"
-case "$CARGO_TARGET_DIR" in
-  /*) ;;
-  *) CARGO_TARGET_DIR="$PWD/$CARGO_TARGET_DIR" ;;
-esac
-export TERN_BIN_DIR="$CARGO_TARGET_DIR/release"
 export TERN_LISTEN="${TERN_LISTEN:-127.0.0.1:8080}"
 
 host="${TERN_LISTEN%:*}"

@@ -10,3 +10,12 @@ export TERN_S3_ENDPOINT="${TERN_S3_ENDPOINT:-http://127.0.0.1:8333}"
 export TERN_S3_ACCESS_KEY="${TERN_S3_ACCESS_KEY:-tern-dev}"
 export TERN_S3_SECRET_KEY="${TERN_S3_SECRET_KEY:-tern-dev-secret}"
 export TERN_S3_REGION="${TERN_S3_REGION:-us-east-1}"
+
+# One cargo target directory for the project's scripts (and CI, which may keep it between runs).
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tern/target}"
+case "$CARGO_TARGET_DIR" in
+  /*) ;;
+  *) CARGO_TARGET_DIR="$PWD/$CARGO_TARGET_DIR" ;; # tests run from other directories
+esac
+# The black-box tests and the demo run the release binaries from here.
+export TERN_BIN_DIR="${TERN_BIN_DIR:-$CARGO_TARGET_DIR/release}"

@@ -15,13 +15,6 @@ bash scripts/services.sh up
 # shellcheck source=env.sh
 . scripts/env.sh
 
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tern/target}"
-case "$CARGO_TARGET_DIR" in
-  /*) ;;
-  *) CARGO_TARGET_DIR="$PWD/$CARGO_TARGET_DIR" ;; # tests run from other directories
-esac
-# The black-box tests (crate tern-e2e) spawn the binaries from here.
-export TERN_BIN_DIR="$CARGO_TARGET_DIR/release"
 
 cargo build --release --workspace --bins
 

@@ -12,7 +12,7 @@ use state::{AppState, Inner, Limits};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tern_jobs::config::{DatabaseArgs, LogArgs, QueueArgs, S3Args};
+use tern_jobs::config::ServiceArgs;
 use tern_jobs::{ObjectStore, Reaper, Reconciler, Store};
 
 #[derive(Parser, Debug)]
@@ -56,21 +56,15 @@ struct ServeArgs {
     #[arg(long, env = "TERN_RECONCILE_GRACE_MS", default_value_t = 30_000)]
     reconcile_grace_ms: u64,
     #[command(flatten)]
-    database: DatabaseArgs,
-    #[command(flatten)]
-    queue: QueueArgs,
-    #[command(flatten)]
-    s3: S3Args,
-    #[command(flatten)]
-    log: LogArgs,
+    services: ServiceArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let args = cli.serve;
-    tern_jobs::logging::init(&args.log);
-    let store = Store::connect(&args.database.database_url, args.database.database_max_connections)
+    tern_jobs::logging::init(&args.services.log);
+    let store = Store::connect(&args.services.database.database_url, args.services.database.database_max_connections)
         .await
         .context("connecting to Postgres")?;
     if matches!(cli.command, Some(Command::Migrate)) {
@@ -81,13 +75,13 @@ async fn main() -> anyhow::Result<()> {
     if args.migrate {
         store.migrate().await.context("applying migrations")?;
     }
-    let queue = args.queue.connect().context("configuring Redis")?;
-    let objects = ObjectStore::new(&args.s3.settings());
+    let queue = args.services.queue.connect().context("configuring Redis")?;
+    let objects = ObjectStore::new(&args.services.s3.settings());
     objects.ensure_bucket().await.context("creating the S3 bucket")?;
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let owner = format!("api-{}", uuid::Uuid::now_v7());
-    let reaper = Reaper { store: store.clone(), queue: queue.clone(), retry: args.queue.retry_policy() };
+    let reaper = Reaper { store: store.clone(), queue: queue.clone(), retry: args.services.queue.retry_policy() };
     let reaper_task = tokio::spawn(reaper.run(Duration::from_millis(args.reaper_interval_ms), stop_rx.clone()));
     let reconciler = Reconciler {
         store: store.clone(),
@@ -106,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
     }));
     let app = routes::router(state);
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
-    tracing::info!(listen = %args.listen, bucket = %args.s3.s3_bucket, "tern-api ready");
+    tracing::info!(listen = %args.listen, bucket = %args.services.s3.s3_bucket, "tern-api ready");
     axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
     let _ = stop_tx.send(true);
     let _ = tokio::join!(reaper_task, reconciler_task);

@@ -122,3 +122,16 @@ pub struct LogArgs {
     #[arg(long, env = "TERN_LOG", default_value = "info")]
     pub log: String,
 }
+
+/// The connections every tern binary needs, and its logging.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServiceArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub queue: QueueArgs,
+    #[command(flatten)]
+    pub s3: S3Args,
+    #[command(flatten)]
+    pub log: LogArgs,
+}

@@ -8,7 +8,9 @@
 use crate::queue::SettleAction;
 use crate::store::{Outcome, Settlement};
 use crate::{Failure, JobKind, JobState, Queue, Result, RetryPolicy, Store};
+use std::collections::HashMap;
 use std::time::Duration;
+use uuid::Uuid;
 
 /// How often the reaper looks for expired leases. Default 1 s.
 pub const REAPER_INTERVAL_DEFAULT: Duration = Duration::from_secs(1);
@@ -41,7 +43,7 @@ impl Reaper {
         Ok(total)
     }
 
-    async fn settle_expired(&self, kind: JobKind, expired: &[(uuid::Uuid, Option<i64>)]) -> Result<usize> {
+    async fn settle_expired(&self, kind: JobKind, expired: &[(Uuid, Option<i64>)]) -> Result<usize> {
         let settlements: Vec<Settlement> = expired
             .iter()
             .filter_map(|(id, token)| {
@@ -56,15 +58,17 @@ impl Reaper {
             })
             .collect();
         let settled = self.store.settle(&settlements, self.retry).await?;
-        let mut actions = Vec::with_capacity(settled.len());
-        for s in &settled {
-            let token = settlements.iter().find(|x| x.id == s.id).map_or(0, |x| x.token);
-            let action = match (s.state, s.run_at) {
-                (JobState::Retrying, Some(at)) => SettleAction::At(at),
-                _ => SettleAction::Done,
-            };
-            actions.push((s.id, token, action));
-        }
+        let tokens: HashMap<Uuid, i64> = settlements.iter().map(|s| (s.id, s.token)).collect();
+        let actions: Vec<_> = settled
+            .iter()
+            .map(|s| {
+                let action = match (s.state, s.run_at) {
+                    (JobState::Retrying, Some(at)) => SettleAction::At(at),
+                    _ => SettleAction::Done,
+                };
+                (s.id, tokens[&s.id], action)
+            })
+            .collect();
         self.queue.settle(kind, &actions).await?;
         if !settled.is_empty() {
             tracing::warn!(kind = %kind, jobs = settled.len(), "returned jobs whose lease expired");

@@ -38,10 +38,8 @@ impl Reconciler {
     /// One sweep; returns how many jobs were restored.
     pub async fn run_once(&self) -> Result<u64> {
         let epoch = self.queue.epoch().await?;
-        let settled_before = match epoch {
-            Some(_) => Some(Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default()),
-            None => None,
-        };
+        let settled_before =
+            epoch.as_ref().map(|_| Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default());
         let mut after: Option<Uuid> = None;
         let mut restored = 0;
         loop {

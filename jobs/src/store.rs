@@ -298,7 +298,8 @@ impl Store {
     /// already settled) is refused and left out of the result.
     ///
     /// A `Retry` of a job that used its last attempt makes it `failed`; otherwise the job becomes
-    /// `retrying`, due after `policy`'s backoff.
+    /// `retrying`, due after `policy`'s backoff. A job whose cancel was requested while it ran
+    /// ends `canceled` instead of running again.
     pub async fn settle(&self, settlements: &[Settlement], policy: RetryPolicy) -> Result<Vec<Settled>> {
         if settlements.is_empty() {
             return Ok(Vec::new());
@@ -330,8 +331,11 @@ impl Store {
         let rows = sqlx::query(
             "WITH b AS (
                 SELECT u.id, u.token, u.output, u.error,
-                       CASE WHEN u.state = 'retrying' AND j.attempts >= j.max_attempts
-                            THEN 'failed' ELSE u.state END AS state
+                       CASE WHEN u.state IN ('retrying', 'queued') AND j.cancel_requested
+                                 THEN 'canceled'
+                            WHEN u.state = 'retrying' AND j.attempts >= j.max_attempts
+                                 THEN 'failed'
+                            ELSE u.state END AS state
                 FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[])
                      AS u(id, token, state, output, error)
                 JOIN jobs j ON j.id = u.id

@@ -214,3 +214,16 @@ async fn health_and_readiness_report_the_backing_services() {
     assert_eq!(status, 200);
     assert_eq!(ready["checks"], json!({"postgres": "ok", "redis": "ok", "s3": "ok"}));
 }
+
+#[test]
+fn both_binaries_explain_their_flags_and_environment_variables() {
+    for binary in ["tern-api", "tern-worker"] {
+        let out = std::process::Command::new(tern_e2e::bin_dir().join(binary)).arg("--help").output().unwrap();
+        assert!(out.status.success(), "{binary} --help failed");
+        let help = String::from_utf8(out.stdout).unwrap();
+        for expected in ["TERN_DATABASE_URL", "TERN_REDIS_URL", "TERN_S3_ENDPOINT", "TERN_LEASE_MS", "TERN_LOG_FORMAT"] {
+            assert!(help.contains(expected), "{binary} --help does not mention {expected}");
+        }
+        assert!(!help.contains("tern-dev-secret"), "{binary} --help shows the secret key");
+    }
+}

@@ -11,6 +11,17 @@ fn sleeping_jobs(n: usize, sleep_ms: u64) -> Vec<Value> {
     (0..n).map(|i| json!({"kind": "echo", "input": {"message": i, "sleep_ms": sleep_ms}})).collect()
 }
 
+async fn wait_running(cluster: &Cluster, n: i64) {
+    cluster
+        .wait_until("the jobs to start", Duration::from_secs(20), || async {
+            let running: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&cluster.pg).await?;
+            Ok(running == n)
+        })
+        .await
+        .unwrap();
+}
+
 /// Jobs whose timeline has other than exactly one terminal event.
 async fn jobs_without_exactly_one_terminal_event(cluster: &Cluster, ids: &[Uuid]) -> i64 {
     sqlx::query_scalar(
@@ -109,13 +120,7 @@ async fn sigterm_lets_a_worker_finish_its_batch_within_the_grace_period() {
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let ids = cluster.submit_all(&sleeping_jobs(3, 1500)).await.unwrap();
     let mut worker = cluster.spawn_worker(&[("TERN_SHUTDOWN_GRACE_MS", "10000")]).unwrap();
-    cluster
-        .wait_until("the jobs to start", Duration::from_secs(20), || async {
-            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&cluster.pg).await?;
-            Ok(n == 3)
-        })
-        .await
-        .unwrap();
+    wait_running(&cluster, 3).await;
     let status = worker.terminate(Duration::from_secs(15)).unwrap();
     assert!(status.success(), "{status:?}");
     for id in &ids {
@@ -128,13 +133,7 @@ async fn sigterm_hands_unfinished_jobs_back_when_the_grace_period_runs_out() {
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let ids = cluster.submit_all(&sleeping_jobs(3, 60_000)).await.unwrap();
     let mut worker = cluster.spawn_worker(&[("TERN_SHUTDOWN_GRACE_MS", "500")]).unwrap();
-    cluster
-        .wait_until("the jobs to start", Duration::from_secs(20), || async {
-            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'running'").fetch_one(&cluster.pg).await?;
-            Ok(n == 3)
-        })
-        .await
-        .unwrap();
+    wait_running(&cluster, 3).await;
     let status = worker.terminate(Duration::from_secs(10)).unwrap();
     assert!(status.success(), "{status:?}");
     let rows: Vec<(String, i32)> = sqlx::query_as("SELECT state, attempts FROM jobs WHERE id = ANY($1)")
@@ -148,4 +147,21 @@ async fn sigterm_hands_unfinished_jobs_back_when_the_grace_period_runs_out() {
     }
     // Back in the queue, ready for the next worker.
     assert_eq!(cluster.queue_len("echo", "ready").await.unwrap() + cluster.queue_len("echo", "delayed").await.unwrap(), 3);
+}
+
+#[tokio::test]
+async fn a_running_job_canceled_after_its_worker_died_ends_canceled_instead_of_running_again() {
+    let mut cluster = Cluster::start(&[("TERN_LEASE_MS", "1500")]).await.unwrap();
+    let ids = cluster.submit_all(&sleeping_jobs(1, 60_000)).await.unwrap();
+    let mut doomed = cluster.spawn_worker(&[("TERN_LEASE_MS", "1500")]).unwrap();
+    cluster
+        .wait_until("the job to run", Duration::from_secs(20), || async { Ok(cluster.state_of(ids[0]).await? == "running") })
+        .await
+        .unwrap();
+    doomed.kill9();
+    let (status, _) = cluster.post(&format!("/v1/jobs/{}/cancel", ids[0]), &json!({})).await.unwrap();
+    assert_eq!(status, 202);
+    cluster.wait_terminal(&ids, Duration::from_secs(20)).await.unwrap();
+    assert_eq!(cluster.state_of(ids[0]).await.unwrap(), "canceled");
+    assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
 }

@@ -13,7 +13,7 @@ use clap::Parser;
 use runner::{Runner, RunnerSettings};
 use std::sync::Arc;
 use std::time::Duration;
-use tern_jobs::config::{DatabaseArgs, LogArgs, QueueArgs, S3Args};
+use tern_jobs::config::ServiceArgs;
 use tern_jobs::{JobKind, ObjectStore, Store};
 
 #[derive(Parser, Debug)]
@@ -52,13 +52,7 @@ struct Cli {
     #[arg(long, env = "TERN_MAX_FILE_BYTES", default_value_t = 512 * 1024 * 1024)]
     max_file_bytes: u64,
     #[command(flatten)]
-    database: DatabaseArgs,
-    #[command(flatten)]
-    queue: QueueArgs,
-    #[command(flatten)]
-    s3: S3Args,
-    #[command(flatten)]
-    log: LogArgs,
+    services: ServiceArgs,
 }
 
 fn default_worker_id() -> String {
@@ -75,7 +69,7 @@ fn default_worker_id() -> String {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tern_jobs::logging::init(&cli.log);
+    tern_jobs::logging::init(&cli.services.log);
     let kinds: Vec<JobKind> = if cli.kinds.is_empty() {
         JobKind::ALL.to_vec()
     } else {
@@ -85,12 +79,12 @@ async fn main() -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?
     };
     let worker_id = cli.worker_id.clone().unwrap_or_else(default_worker_id);
-    let store = Store::connect(&cli.database.database_url, cli.database.database_max_connections)
+    let store = Store::connect(&cli.services.database.database_url, cli.services.database.database_max_connections)
         .await
         .context("connecting to Postgres")?;
-    let queue = cli.queue.connect().context("configuring Redis")?;
+    let queue = cli.services.queue.connect().context("configuring Redis")?;
     queue.ping().await.context("reaching Redis")?;
-    let objects = ObjectStore::new(&cli.s3.settings());
+    let objects = ObjectStore::new(&cli.services.s3.settings());
     objects.ensure_bucket().await.context("reaching the S3 bucket")?;
 
     let runner = Arc::new(Runner {
@@ -101,7 +95,7 @@ async fn main() -> anyhow::Result<()> {
             batch_budget: cli.batch_budget.unwrap_or(cli.batch_size as i64).max(1),
             heartbeat: Duration::from_millis(cli.heartbeat_ms.max(10)),
             idle_poll_max: Duration::from_millis(cli.idle_poll_max_ms.max(1)),
-            retry: cli.queue.retry_policy(),
+            retry: cli.services.queue.retry_policy(),
         },
         store,
         queue,

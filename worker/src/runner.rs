@@ -10,7 +10,9 @@ use chrono::Utc;
 use std::sync::Arc;
 use std::time::Duration;
 use tern_jobs::queue::{Lease, SettleAction};
-use tern_jobs::store::{Outcome, Settlement};
+use std::collections::{HashMap, HashSet};
+use tern_jobs::store::{Outcome, Settled, Settlement};
+use uuid::Uuid;
 use tern_jobs::{Failure, Job, JobKind, JobState, ObjectStore, Queue, RetryPolicy, Store};
 use tokio::sync::{watch, Semaphore};
 
@@ -78,12 +80,13 @@ impl Runner {
     }
 
     async fn run_batch(&self, kind: JobKind, leases: Vec<Lease>, mut abort: watch::Receiver<bool>) -> tern_jobs::Result<()> {
-        let pairs: Vec<(uuid::Uuid, i64)> = leases.iter().map(|l| (l.id, l.token)).collect();
+        let pairs: Vec<(Uuid, i64)> = leases.iter().map(|l| (l.id, l.token)).collect();
         let jobs = self.store.start(&self.settings.worker_id, &pairs).await?;
         // Leases Postgres refused: the job was canceled, finished or is held elsewhere.
+        let started: HashSet<Uuid> = jobs.iter().map(|j| j.id).collect();
         let refused: Vec<_> = leases
             .iter()
-            .filter(|l| !jobs.iter().any(|j| j.id == l.id))
+            .filter(|l| !started.contains(&l.id))
             .map(|l| (l.id, l.token, SettleAction::Drop))
             .collect();
         if !refused.is_empty() {
@@ -124,12 +127,13 @@ impl Runner {
                 outcome.map(|outcome| Settlement { id: job.id, token: job.lease_token.unwrap_or_default(), outcome })
             })
             .collect();
-        let settled = self.store.settle(&settlements, self.settings.retry).await?;
+        let settled: HashMap<Uuid, Settled> =
+            self.store.settle(&settlements, self.settings.retry).await?.into_iter().map(|s| (s.id, s)).collect();
         let now = Utc::now();
         let actions: Vec<_> = settlements
             .iter()
             .map(|s| {
-                let action = match settled.iter().find(|x| x.id == s.id) {
+                let action = match settled.get(&s.id) {
                     None => SettleAction::Drop,
                     Some(x) => match x.state {
                         JobState::Retrying => SettleAction::At(x.run_at.unwrap_or(now)),

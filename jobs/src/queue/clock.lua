@@ -1,4 +1,4 @@
--- Shared fragment, prepended to the scripts that need it (not a script of its own).
+-- Shared fragment, prepended to every queue script (not a script of its own).
 --
 -- now_ms(): Redis's own clock, so API replicas and workers with skewed clocks agree.
 -- ready_score(now, rank, step, seq): the score of a job entering its ready set. Lower runs
@@ -25,4 +25,15 @@ end
 
 local function meta_cost(meta)
   return tonumber(string.match(meta, ':(%d+)$'))
+end
+
+-- Puts a waiting job in its delayed set (run_at still ahead) or its ready set, and records its
+-- metadata. Used by enqueue and restore.
+local function admit(ready, delayed, meta, seq, id, rank, cost, run_at, now, step)
+  redis.call('HSET', meta, id, rank .. ':' .. cost)
+  if run_at > now then
+    redis.call('ZADD', delayed, run_at, id)
+  else
+    redis.call('ZADD', ready, ready_score(now, rank, step, redis.call('INCR', seq)), id)
+  end
 end

@@ -11,12 +11,7 @@ for i = 2, #ARGV, 4 do
   local id, rank, cost, run_at = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], tonumber(ARGV[i + 3])
   if not redis.call('ZSCORE', KEYS[3], id) and not redis.call('ZSCORE', KEYS[1], id)
       and not redis.call('ZSCORE', KEYS[2], id) then
-    redis.call('HSET', KEYS[4], id, rank .. ':' .. cost)
-    if run_at > now then
-      redis.call('ZADD', KEYS[2], run_at, id)
-    else
-      redis.call('ZADD', KEYS[1], ready_score(now, rank, step, redis.call('INCR', KEYS[5])), id)
-    end
+    admit(KEYS[1], KEYS[2], KEYS[4], KEYS[5], id, rank, cost, run_at, now, step)
     added = added + 1
   end
 end

@@ -22,12 +22,7 @@ for i = 3, #ARGV, 5 do
       restored = restored + 1
     end
   elseif not leased and not redis.call('ZSCORE', KEYS[1], id) and not redis.call('ZSCORE', KEYS[2], id) then
-    redis.call('HSET', KEYS[4], id, rank .. ':' .. cost)
-    if run_at > now then
-      redis.call('ZADD', KEYS[2], run_at, id)
-    else
-      redis.call('ZADD', KEYS[1], ready_score(now, rank, step, redis.call('INCR', KEYS[5])), id)
-    end
+    admit(KEYS[1], KEYS[2], KEYS[4], KEYS[5], id, rank, cost, run_at, now, step)
     restored = restored + 1
   end
 end

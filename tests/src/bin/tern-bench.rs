@@ -6,6 +6,7 @@
 //! - drain: a backlog of `--jobs` waiting jobs, workers started, until all succeeded;
 //! - end to end: workers running, `--jobs` submitted, from the first submit to all succeeded;
 //! - submit latency: p50/p99 of single `POST /v1/jobs` one after another.
+//!
 //! Every state change is durable (Postgres commits), and every output is an S3 object.
 
 use anyhow::Result;
