@@ -1,0 +1,220 @@
+//! Audio input: probing durations and decoding uploads to the 16 kHz mono f32 PCM Whisper wants.
+//!
+//! Decoding is pure Rust (symphonia for containers/codecs, rubato for resampling) so the crate
+//! builds without C toolchains or system libraries.
+
+use std::io::Cursor;
+
+use rubato::audioadapter_buffers::direct::InterleavedSlice;
+use rubato::{Fft, FixedSync, Resampler};
+use symphonia::core::codecs::audio::AudioDecoderOptions;
+use symphonia::core::errors::Error as SymError;
+use symphonia::core::formats::probe::Hint;
+use symphonia::core::formats::{FormatOptions, FormatReader, TrackType};
+use symphonia::core::io::MediaSourceStream;
+use symphonia::core::meta::MetadataOptions;
+
+/// Sample rate (Hz) of the PCM that [`decode_mono_16k`] returns and Whisper consumes.
+pub const SAMPLE_RATE: u32 = 16_000;
+
+/// Why an upload cannot be turned into audio. Each variant has a stable machine code, see
+/// [`AudioError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum AudioError {
+    /// Not a decodable WAV/FLAC/MP3/OGG-Vorbis stream: unknown container or codec, corrupt or
+    /// truncated before any audio. Code `audio_unreadable`. The string is the decoder's reason.
+    #[error("audio is unreadable: {0}")]
+    Unreadable(String),
+    /// The stream is valid but holds no samples. Code `audio_empty`.
+    #[error("audio is empty")]
+    Empty,
+    /// The audio is longer than the caller's limit (both in seconds). Code `audio_too_long`.
+    /// Not raised by this module's functions, which take no limit; callers compare
+    /// [`probe_duration`] against their own limit and report it with this variant so the code is
+    /// the same everywhere.
+    #[error("audio is {seconds:.1} s long, the limit is {limit:.1} s")]
+    TooLong { seconds: f64, limit: f64 },
+}
+
+impl AudioError {
+    /// Stable machine-readable code: `audio_unreadable`, `audio_empty` or `audio_too_long`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            AudioError::Unreadable(_) => "audio_unreadable",
+            AudioError::Empty => "audio_empty",
+            AudioError::TooLong { .. } => "audio_too_long",
+        }
+    }
+}
+
+/// Opens the container and finds its first audio track.
+fn open(bytes: &[u8]) -> Result<(Box<dyn FormatReader + 'static>, u32), AudioError> {
+    // symphonia wants an owned source; one copy of the upload is cheap next to decoding it.
+    let mss = MediaSourceStream::new(Box::new(Cursor::new(bytes.to_vec())), Default::default());
+    let format = symphonia::default::get_probe()
+        .probe(
+            &Hint::new(),
+            mss,
+            FormatOptions::default(),
+            MetadataOptions::default(),
+        )
+        .map_err(|e| AudioError::Unreadable(e.to_string()))?;
+    let track_id = format
+        .default_track(TrackType::Audio)
+        .ok_or_else(|| AudioError::Unreadable("no audio track".into()))?
+        .id;
+    Ok((format, track_id))
+}
+
+/// Decodes every packet of the track: interleaved f32 samples, channel count, sample rate.
+fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError> {
+    let (mut format, track_id) = open(bytes)?;
+    let track = format
+        .tracks()
+        .iter()
+        .find(|t| t.id == track_id)
+        .ok_or_else(|| AudioError::Unreadable("no audio track".into()))?;
+    let params = track
+        .codec_params
+        .as_ref()
+        .and_then(|p| p.audio())
+        .ok_or_else(|| AudioError::Unreadable("track has no audio codec parameters".into()))?
+        .clone();
+    let mut decoder = symphonia::default::get_codecs()
+        .make_audio_decoder(&params, &AudioDecoderOptions::default())
+        .map_err(|e| AudioError::Unreadable(e.to_string()))?;
+
+    let mut samples: Vec<f32> = Vec::new();
+    let mut chunk: Vec<f32> = Vec::new();
+    let mut channels = params.channels.as_ref().map(|c| c.count()).unwrap_or(0);
+    let mut rate = params.sample_rate.unwrap_or(0);
+    let mut decoded_any = false;
+    let mut last_error: Option<String> = None;
+    loop {
+        let packet = match format.next_packet() {
+            Ok(Some(p)) => p,
+            Ok(None) => break,
+            // A truncated file ends in an I/O error: keep what decoded before it.
+            Err(SymError::IoError(e)) => {
+                last_error = Some(e.to_string());
+                break;
+            }
+            Err(e) => {
+                last_error = Some(e.to_string());
+                break;
+            }
+        };
+        if packet.track_id != track_id {
+            continue;
+        }
+        match decoder.decode(&packet) {
+            Ok(buf) => {
+                decoded_any = true;
+                channels = buf.spec().channels().count();
+                rate = buf.spec().rate();
+                chunk.clear();
+                buf.copy_to_vec_interleaved(&mut chunk);
+                samples.extend_from_slice(&chunk);
+            }
+            // Corrupt packets are skipped, as players do; a file with none good is unreadable.
+            Err(SymError::DecodeError(e)) => last_error = Some(e.to_string()),
+            Err(SymError::IoError(e)) => last_error = Some(e.to_string()),
+            Err(e) => {
+                last_error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    if samples.is_empty() {
+        return match (decoded_any, last_error) {
+            (false, Some(e)) => Err(AudioError::Unreadable(e)),
+            _ => Err(AudioError::Empty),
+        };
+    }
+    if channels == 0 || rate == 0 {
+        return Err(AudioError::Unreadable(
+            "unknown channel count or sample rate".into(),
+        ));
+    }
+    Ok((samples, channels, rate))
+}
+
+/// Duration in seconds. Taken from the container/codec headers where they state it
+/// (`n_frames / sample_rate`, so a WAV is never decoded just to probe it); streams whose headers
+/// do not say (e.g. some MP3/OGG) are decoded fully to count frames.
+///
+/// Errors: [`AudioError::Unreadable`] for anything symphonia cannot open, [`AudioError::Empty`]
+/// when the stream holds zero frames.
+pub fn probe_duration(bytes: &[u8]) -> Result<f64, AudioError> {
+    let (format, track_id) = open(bytes)?;
+    let track = format
+        .tracks()
+        .iter()
+        .find(|t| t.id == track_id)
+        .ok_or_else(|| AudioError::Unreadable("no audio track".into()))?;
+    let rate = track
+        .codec_params
+        .as_ref()
+        .and_then(|p| p.audio())
+        .and_then(|a| a.sample_rate);
+    if let (Some(frames), Some(rate)) = (track.num_frames, rate) {
+        if rate > 0 {
+            if frames == 0 {
+                return Err(AudioError::Empty);
+            }
+            return Ok(frames as f64 / rate as f64);
+        }
+    }
+    drop(format);
+    let (samples, channels, rate) = decode_interleaved(bytes)?;
+    Ok((samples.len() / channels) as f64 / rate as f64)
+}
+
+/// Decodes WAV/FLAC/MP3/OGG-Vorbis bytes, downmixes to mono (channel mean) and resamples to
+/// [`SAMPLE_RATE`] with rubato's FFT resampler. Returns f32 samples in [-1, 1].
+///
+/// Corrupt packets are skipped and a truncated file yields what decoded before the cut.
+/// Errors: [`AudioError::Unreadable`] when nothing can be decoded, [`AudioError::Empty`] when the
+/// stream decodes to no samples. No length limit is applied here (see [`AudioError::TooLong`]).
+pub fn decode_mono_16k(bytes: &[u8]) -> Result<Vec<f32>, AudioError> {
+    let (interleaved, channels, rate) = decode_interleaved(bytes)?;
+    let mono: Vec<f32> = if channels == 1 {
+        interleaved
+    } else {
+        interleaved
+            .chunks_exact(channels)
+            .map(|f| f.iter().sum::<f32>() / channels as f32)
+            .collect()
+    };
+    let mono = if rate == SAMPLE_RATE {
+        mono
+    } else {
+        resample(&mono, rate)?
+    };
+    if mono.is_empty() {
+        return Err(AudioError::Empty);
+    }
+    Ok(mono.into_iter().map(|s| s.clamp(-1.0, 1.0)).collect())
+}
+
+/// Resamples mono audio from `rate` to [`SAMPLE_RATE`].
+fn resample(input: &[f32], rate: u32) -> Result<Vec<f32>, AudioError> {
+    let err = |e: &dyn std::fmt::Display| AudioError::Unreadable(format!("resampling: {e}"));
+    let mut resampler = Fft::<f32>::new(
+        rate as usize,
+        SAMPLE_RATE as usize,
+        1024,
+        1,
+        FixedSync::Input,
+    )
+    .map_err(|e| err(&e))?;
+    let needed = resampler.process_all_needed_output_len(input.len());
+    let mut out = vec![0f32; needed];
+    let buf_in = InterleavedSlice::new(input, 1, input.len()).map_err(|e| err(&e))?;
+    let mut buf_out = InterleavedSlice::new_mut(&mut out, 1, needed).map_err(|e| err(&e))?;
+    let (_consumed, produced) = resampler
+        .process_all_into_buffer(&buf_in, &mut buf_out, input.len(), None)
+        .map_err(|e| err(&e))?;
+    out.truncate(produced);
+    Ok(out)
+}

@@ -1,0 +1,2 @@
+pub mod audio;
+pub mod whisper;

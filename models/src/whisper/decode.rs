@@ -1,0 +1,270 @@
+//! Greedy decoding of one 30 s window, with OpenAI's token rules (suppression, timestamp pairing)
+//! applied on the CPU logits vector, and temperature fallback.
+
+use anyhow::Result;
+use candle_core::{IndexOp, Tensor};
+use candle_transformers::models::whisper::model::Whisper as Model;
+
+/// Special token ids and suppression lists, resolved once at load time.
+#[derive(Debug, Clone)]
+pub(crate) struct Specials {
+    pub sot: u32,
+    pub eot: u32,
+    pub transcribe: Option<u32>,
+    pub translate: Option<u32>,
+    pub no_timestamps: u32,
+    /// First timestamp token (`<|0.00|>`); each later id is +0.02 s.
+    pub timestamp_begin: u32,
+    pub no_speech: Option<u32>,
+    /// From config.json `suppress_ids`: never sampled.
+    pub suppress: Vec<u32>,
+    /// From config.json `suppress_ids_begin`: not sampled as the first token (blank, EOT).
+    pub suppress_begin: Vec<u32>,
+}
+
+/// Whisper's limit of sampled tokens per window (half the 448-token text context).
+pub(crate) const SAMPLE_LEN: usize = 224;
+/// Latest first timestamp allowed (1.0 s, in 0.02 s steps), as OpenAI's `max_initial_timestamp`.
+const MAX_INITIAL_TIMESTAMP_INDEX: u32 = 50;
+/// Fallback thresholds and temperatures from OpenAI's `transcribe()`.
+pub(crate) const TEMPERATURES: [f64; 6] = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0];
+const LOGPROB_THRESHOLD: f64 = -1.0;
+const COMPRESSION_RATIO_THRESHOLD: f64 = 2.4;
+pub(crate) const NO_SPEECH_THRESHOLD: f64 = 0.6;
+
+/// Result of decoding one window.
+#[derive(Debug, Clone)]
+pub(crate) struct Decoded {
+    /// Sampled tokens, without the prompt and without EOT.
+    pub tokens: Vec<u32>,
+    pub avg_logprob: f64,
+    pub no_speech_prob: f64,
+}
+
+impl Decoded {
+    /// Whether this is likely silence that Whisper hallucinated over (OpenAI's no-speech rule).
+    pub fn is_silence(&self) -> bool {
+        self.no_speech_prob > NO_SPEECH_THRESHOLD && self.avg_logprob < LOGPROB_THRESHOLD
+    }
+}
+
+/// Small deterministic PRNG (xorshift64*) for temperature sampling: reproducible runs without
+/// another dependency.
+struct Rng(u64);
+impl Rng {
+    fn next_f64(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+    let lse = max + sum.ln();
+    logits.iter().map(|&l| l - lse).collect()
+}
+
+/// OpenAI's `SuppressTokens`, `SuppressBlank` and `ApplyTimestampRules` on one logits row.
+fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: bool) {
+    let neg = f32::NEG_INFINITY;
+    let n = logits.len();
+    let vocab = n as u32;
+    for &t in &sp.suppress {
+        if t < vocab {
+            logits[t as usize] = neg;
+        }
+    }
+    // Special tokens other than EOT (sot, task, language, no-speech, notimestamps) are prompt
+    // tokens only.
+    for t in (sp.eot + 1)..sp.timestamp_begin.min(vocab) {
+        logits[t as usize] = neg;
+    }
+    if sampled.is_empty() {
+        for &t in &sp.suppress_begin {
+            if t < vocab {
+                logits[t as usize] = neg;
+            }
+        }
+    }
+    let tb = sp.timestamp_begin as usize;
+    if !timestamps {
+        logits[tb.min(n)..].fill(neg);
+        return;
+    }
+    let is_ts = |t: u32| t >= sp.timestamp_begin;
+    let last_was_ts = sampled.last().is_some_and(|&t| is_ts(t));
+    let penult_was_ts = sampled.len() < 2 || is_ts(sampled[sampled.len() - 2]);
+    if last_was_ts {
+        if penult_was_ts {
+            // A segment just closed and reopened: text must follow.
+            logits[tb..].fill(neg);
+        } else {
+            // A segment's text just ended: the next token is a timestamp or EOT.
+            logits[..sp.eot as usize].fill(neg);
+        }
+    }
+    if let Some(&last_ts) = sampled.iter().rev().find(|&&t| is_ts(t)) {
+        // Timestamps never decrease, and segments have nonzero length.
+        let floor = if last_was_ts && !penult_was_ts { last_ts } else { last_ts + 1 };
+        logits[tb..(floor as usize).min(n)].fill(neg);
+    }
+    if sampled.is_empty() {
+        // The first token is a timestamp, at most 1 s in.
+        logits[..tb].fill(neg);
+        let max_initial = tb + MAX_INITIAL_TIMESTAMP_INDEX as usize;
+        if max_initial + 1 < logits.len() {
+            logits[max_initial + 1..].fill(neg);
+        }
+    }
+    // If timestamps together are likelier than any single text token, force a timestamp.
+    let lp = log_softmax(logits);
+    let ts_lse = {
+        let m = lp[tb..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if m == f32::NEG_INFINITY {
+            m
+        } else {
+            m + lp[tb..].iter().map(|&v| (v - m).exp()).sum::<f32>().ln()
+        }
+    };
+    let text_max = lp[..tb].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if ts_lse > text_max {
+        logits[..tb].fill(neg);
+    }
+}
+
+/// Picks the next token: argmax at temperature 0, else a sample from softmax(logits / t).
+fn pick(logits: &[f32], temperature: f64, rng: &mut Rng) -> u32 {
+    if temperature <= 0.0 {
+        return logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap_or(0);
+    }
+    let scaled: Vec<f32> = logits.iter().map(|&l| l / temperature as f32).collect();
+    let lp = log_softmax(&scaled);
+    let mut r = rng.next_f64();
+    for (i, &l) in lp.iter().enumerate() {
+        r -= (l as f64).exp();
+        if r <= 0.0 {
+            return i as u32;
+        }
+    }
+    // Rounding left a little mass: take the argmax.
+    pick(logits, 0.0, rng)
+}
+
+/// Decodes one window's encoder output at one temperature.
+fn decode_once(
+    model: &mut Model,
+    audio_features: &Tensor,
+    prompt: &[u32],
+    sp: &Specials,
+    timestamps: bool,
+    temperature: f64,
+    rng: &mut Rng,
+) -> Result<Decoded> {
+    let device = audio_features.device().clone();
+    let max_ctx = model.config.max_target_positions;
+    let mut tokens = prompt.to_vec();
+    let mut sum_logprob = 0f64;
+    let mut no_speech_prob = 0f64;
+    for i in 0..SAMPLE_LEN {
+        if tokens.len() >= max_ctx {
+            break;
+        }
+        let input = Tensor::new(tokens.as_slice(), &device)?.unsqueeze(0)?;
+        // flush=true on the first step drops the previous window's cross-attention cache.
+        let ys = model.decoder.forward(&input, audio_features, i == 0)?;
+        let seq_len = ys.dim(1)?;
+        if i == 0 {
+            if let Some(ns) = sp.no_speech {
+                // OpenAI reads the no-speech probability at the SOT position.
+                let sot_pos = prompt.iter().position(|&t| t == sp.sot).unwrap_or(0);
+                let l: Vec<f32> = model
+                    .decoder
+                    .final_linear(&ys.i((..1, sot_pos..sot_pos + 1))?)?
+                    .i(0)?
+                    .i(0)?
+                    .to_vec1()?;
+                no_speech_prob = (log_softmax(&l)[ns as usize] as f64).exp();
+            }
+        }
+        let mut logits: Vec<f32> = model
+            .decoder
+            .final_linear(&ys.i((..1, seq_len - 1..))?)?
+            .i(0)?
+            .i(0)?
+            .to_vec1()?;
+        apply_rules(&mut logits, &tokens[prompt.len()..], sp, timestamps);
+        let next = pick(&logits, temperature, rng);
+        let lp = log_softmax(&logits)[next as usize] as f64;
+        if next == sp.eot {
+            break;
+        }
+        sum_logprob += lp;
+        tokens.push(next);
+    }
+    let sampled = tokens[prompt.len()..].to_vec();
+    let avg_logprob = sum_logprob / (sampled.len().max(1)) as f64;
+    Ok(Decoded {
+        tokens: sampled,
+        avg_logprob,
+        no_speech_prob,
+    })
+}
+
+/// Crude stand-in for OpenAI's gzip compression ratio, to catch repetition loops without a
+/// compression dependency: tokens / distinct token 3-grams. A looping output scores high; normal
+/// speech stays near 1.
+fn repetition_ratio(tokens: &[u32]) -> f64 {
+    if tokens.len() < 6 {
+        return 1.0;
+    }
+    let grams: std::collections::HashSet<&[u32]> = tokens.windows(3).collect();
+    tokens.len() as f64 / (grams.len() + 2) as f64
+}
+
+/// Decodes a window, retrying at higher temperatures when the greedy result looks degenerate
+/// (average log-probability below -1 or a repetition loop), as OpenAI's `transcribe()` does.
+pub(crate) fn decode_with_fallback(
+    model: &mut Model,
+    audio_features: &Tensor,
+    prompt: &[u32],
+    sp: &Specials,
+    timestamps: bool,
+    seed: u64,
+) -> Result<Decoded> {
+    let mut rng = Rng(seed | 1);
+    let mut best: Option<Decoded> = None;
+    for &t in TEMPERATURES.iter() {
+        let d = decode_once(model, audio_features, prompt, sp, timestamps, t, &mut rng)?;
+        let needs_fallback = repetition_ratio(&d.tokens) > COMPRESSION_RATIO_THRESHOLD
+            || d.avg_logprob < LOGPROB_THRESHOLD;
+        // Silence: retrying only produces other hallucinations.
+        if !needs_fallback || d.no_speech_prob > NO_SPEECH_THRESHOLD {
+            return Ok(d);
+        }
+        if best.as_ref().is_none_or(|b| d.avg_logprob > b.avg_logprob) {
+            best = Some(d);
+        }
+    }
+    Ok(best.expect("TEMPERATURES is not empty"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repetition_ratio_flags_loops() {
+        let normal: Vec<u32> = (0..40).collect();
+        assert!(repetition_ratio(&normal) < 1.1);
+        let looped: Vec<u32> = (0..40).map(|i| i % 3).collect();
+        assert!(repetition_ratio(&looped) > COMPRESSION_RATIO_THRESHOLD);
+    }
+}

@@ -1,0 +1,348 @@
+//! Whisper speech-to-text on candle, loading faster-whisper (CTranslate2) model folders directly
+//! so no converted copy of the weights is needed on disk.
+//!
+//! Audio is processed in fixed 30 s windows (Whisper's input size): each window is encoded,
+//! decoded greedily with temperature fallback, and its segments are offset by the window start.
+
+mod ct2;
+mod decode;
+mod mel;
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use candle_transformers::models::whisper::{self as m, model::Whisper as Model};
+use tokenizers::Tokenizer;
+
+use decode::Specials;
+
+/// Length of one Whisper window in seconds: every window costs a full encoder pass.
+const WINDOW_SECONDS: f64 = m::CHUNK_LENGTH as f64;
+/// Seconds per timestamp token.
+const TIMESTAMP_STEP: f64 = 0.02;
+
+/// What the decoder is asked to produce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// Text in the spoken language.
+    Transcribe,
+    /// English text whatever the spoken language (multilingual models only; `.en` models ignore it).
+    Translate,
+}
+
+/// Options for [`Whisper::transcribe`].
+#[derive(Debug, Clone)]
+pub struct TranscribeOptions {
+    /// Spoken language as a Whisper code ("en", "de", ...). `None` (the default) detects it from
+    /// the first window on multilingual models; `.en` models always use "en".
+    pub language: Option<String>,
+    /// Default [`Task::Transcribe`].
+    pub task: Task,
+    /// Predict timestamp tokens so each window splits into timed segments. Default `true`. When
+    /// `false`, each window becomes one segment spanning the window.
+    pub timestamps: bool,
+}
+
+impl Default for TranscribeOptions {
+    /// Auto language, transcribe, timestamps on.
+    fn default() -> Self {
+        TranscribeOptions {
+            language: None,
+            task: Task::Transcribe,
+            timestamps: true,
+        }
+    }
+}
+
+/// A timed piece of the transcript. Times are seconds from the start of the audio.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Segment {
+    pub start: f64,
+    pub end: f64,
+    /// Trimmed text of the segment.
+    pub text: String,
+}
+
+/// Result of [`Whisper::transcribe`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Transcript {
+    /// All segment texts joined with single spaces.
+    pub text: String,
+    /// Language code used for decoding ("en" for `.en` models, else given or detected).
+    pub language: String,
+    /// Audio duration in seconds (samples / 16000).
+    pub duration: f64,
+    /// Segments in time order; windows judged silent contribute none.
+    pub segments: Vec<Segment>,
+}
+
+/// A loaded Whisper model, tokenizer and decoding config on one candle [`Device`].
+///
+/// Not `Sync`-shareable for concurrent use: [`Whisper::transcribe`] takes `&mut self` because the
+/// decoder caches cross-attention keys/values per window. Load one per worker thread.
+pub struct Whisper {
+    model: Model,
+    tokenizer: Tokenizer,
+    specials: Specials,
+    /// (token id, language code) for every language token, empty for `.en` models.
+    languages: Vec<(u32, String)>,
+    filters: Vec<f32>,
+    device: Device,
+}
+
+/// Number of 30 s windows audio of `seconds` costs: `ceil(seconds / 30)`, at least 1 (empty or
+/// sub-second audio still costs one encoder pass).
+pub fn windows_for(seconds: f64) -> usize {
+    if !seconds.is_finite() || seconds <= 0.0 {
+        return 1;
+    }
+    ((seconds / WINDOW_SECONDS).ceil() as usize).max(1)
+}
+
+#[derive(serde::Deserialize)]
+struct Ct2Config {
+    #[serde(default)]
+    suppress_ids: Vec<u32>,
+    #[serde(default)]
+    suppress_ids_begin: Vec<u32>,
+    #[serde(default)]
+    lang_ids: Vec<u32>,
+}
+
+fn token(tok: &Tokenizer, s: &str) -> Result<u32> {
+    tok.token_to_id(s)
+        .ok_or_else(|| anyhow!("tokenizer.json has no {s} token"))
+}
+
+impl Whisper {
+    /// Loads a CTranslate2 (faster-whisper) model folder: `model.bin` (F32/F16/BF16 weights;
+    /// int8-quantised files are refused), `config.json` (`suppress_ids`, `suppress_ids_begin`,
+    /// `lang_ids`; missing keys default to empty) and `tokenizer.json`.
+    /// Weights are converted to F32 on the CPU, then moved to `device`.
+    pub fn load_ct2(dir: &Path, device: &Device) -> Result<Whisper> {
+        let bin_path = dir.join("model.bin");
+        let bytes = std::fs::read(&bin_path)
+            .with_context(|| format!("reading {}", bin_path.display()))?;
+        let vars = ct2::read_model_bin(&bytes)
+            .with_context(|| format!("parsing {}", bin_path.display()))?;
+        drop(bytes);
+        let ct2::Ct2Whisper { tensors, mut config } = ct2::to_candle(&vars)?;
+        drop(vars);
+
+        let cfg_path = dir.join("config.json");
+        let ct2_cfg: Ct2Config = serde_json::from_slice(
+            &std::fs::read(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?,
+        )
+        .with_context(|| format!("parsing {}", cfg_path.display()))?;
+        config.suppress_tokens = ct2_cfg.suppress_ids.clone();
+
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tok_path)
+            .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
+
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
+        let model = Model::load(&vb, config).context("building the whisper model")?;
+
+        let no_timestamps = token(&tokenizer, m::NO_TIMESTAMPS_TOKEN)?;
+        let specials = Specials {
+            sot: token(&tokenizer, m::SOT_TOKEN)?,
+            eot: token(&tokenizer, m::EOT_TOKEN)?,
+            transcribe: tokenizer.token_to_id(m::TRANSCRIBE_TOKEN),
+            translate: tokenizer.token_to_id(m::TRANSLATE_TOKEN),
+            no_timestamps,
+            // Timestamp tokens follow <|notimestamps|> in every Whisper vocabulary.
+            timestamp_begin: no_timestamps + 1,
+            no_speech: m::NO_SPEECH_TOKENS
+                .iter()
+                .find_map(|t| tokenizer.token_to_id(t)),
+            suppress: ct2_cfg.suppress_ids,
+            suppress_begin: ct2_cfg.suppress_ids_begin,
+        };
+        // A vocabulary of 51864 is English-only; multilingual ones have the 99+ language tokens.
+        let multilingual = model.config.vocab_size >= 51865;
+        let languages = if multilingual {
+            ct2_cfg
+                .lang_ids
+                .iter()
+                .filter_map(|&id| {
+                    let t = tokenizer.id_to_token(id)?;
+                    let code = t.strip_prefix("<|")?.strip_suffix("|>")?.to_string();
+                    Some((id, code))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if multilingual && languages.is_empty() {
+            bail!("multilingual model but config.json has no usable lang_ids");
+        }
+        Ok(Whisper {
+            filters: mel::mel_filters(model.config.num_mel_bins),
+            model,
+            tokenizer,
+            specials,
+            languages,
+            device: device.clone(),
+        })
+    }
+
+    /// Whether the model handles languages other than English (and language detection).
+    pub fn is_multilingual(&self) -> bool {
+        !self.languages.is_empty()
+    }
+
+    /// Picks the most likely language token for an encoded window.
+    fn detect_language(&mut self, audio_features: &candle_core::Tensor) -> Result<(u32, String)> {
+        use candle_core::{IndexOp, Tensor};
+        let input = Tensor::new(&[self.specials.sot], &self.device)?.unsqueeze(0)?;
+        let ys = self.model.decoder.forward(&input, audio_features, true)?;
+        let logits: Vec<f32> = self
+            .model
+            .decoder
+            .final_linear(&ys.i((..1, 0..1))?)?
+            .i(0)?
+            .i(0)?
+            .to_vec1()?;
+        self.languages
+            .iter()
+            .max_by(|a, b| logits[a.0 as usize].total_cmp(&logits[b.0 as usize]))
+            .cloned()
+            .ok_or_else(|| anyhow!("no language tokens"))
+    }
+
+    /// Transcribes 16 kHz mono PCM (see [`crate::audio::decode_mono_16k`]).
+    ///
+    /// Audio is cut into consecutive 30 s windows (a word straddling a cut may be split or
+    /// garbled); segment times are offset by the window start and clamped to the audio length.
+    /// `progress(done_windows, total_windows)` is called after each window; `total_windows` is
+    /// [`windows_for`] of the duration. Greedy decoding, at most 224 tokens per window, with
+    /// OpenAI's temperature fallback (0.2 ... 1.0) for windows that decode badly; windows judged
+    /// silent (no-speech probability > 0.6 and low confidence) yield no segments.
+    pub fn transcribe(
+        &mut self,
+        pcm: &[f32],
+        opts: &TranscribeOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Transcript> {
+        let sr = m::SAMPLE_RATE;
+        let duration = pcm.len() as f64 / sr as f64;
+        let total = windows_for(duration);
+        let mut language: Option<(Option<u32>, String)> = if self.is_multilingual() {
+            match &opts.language {
+                Some(code) => {
+                    let id = self
+                        .languages
+                        .iter()
+                        .find(|(_, c)| c == code)
+                        .map(|(id, _)| *id)
+                        .ok_or_else(|| anyhow!("unknown language code {code:?}"))?;
+                    Some((Some(id), code.clone()))
+                }
+                None => None,
+            }
+        } else {
+            // English-only models take no language or task token.
+            Some((None, "en".to_string()))
+        };
+
+        let mut segments = Vec::new();
+        for w in 0..total {
+            let start = w * m::N_SAMPLES;
+            let end = (start + m::N_SAMPLES).min(pcm.len());
+            let window = &pcm[start.min(pcm.len())..end];
+            let offset = start as f64 / sr as f64;
+            let window_end = end as f64 / sr as f64;
+
+            let mel = mel::window_mel(&self.model.config, &self.filters, window, &self.device)?;
+            let audio_features = self.model.encoder.forward(&mel, true)?;
+            if language.is_none() {
+                let (id, code) = self.detect_language(&audio_features)?;
+                language = Some((Some(id), code));
+            }
+            let (lang_token, _) = language.as_ref().expect("set above");
+
+            let mut prompt = vec![self.specials.sot];
+            if self.is_multilingual() {
+                prompt.extend(lang_token);
+                let task = match opts.task {
+                    Task::Transcribe => self.specials.transcribe,
+                    Task::Translate => self.specials.translate,
+                };
+                prompt.extend(task);
+            }
+            if !opts.timestamps {
+                prompt.push(self.specials.no_timestamps);
+            }
+            let decoded = decode::decode_with_fallback(
+                &mut self.model,
+                &audio_features,
+                &prompt,
+                &self.specials,
+                opts.timestamps,
+                w as u64 + 1,
+            )?;
+            if !decoded.is_silence() {
+                self.segments_of(&decoded.tokens, offset, window_end, &mut segments)?;
+            }
+            progress(w + 1, total);
+        }
+        let text = segments
+            .iter()
+            .map(|s| s.text.as_str())
+            .collect::<Vec<_>>()
+            .join(" ");
+        Ok(Transcript {
+            text,
+            language: language.map(|(_, c)| c).unwrap_or_else(|| "en".into()),
+            duration,
+            segments,
+        })
+    }
+
+    /// Splits a window's tokens at timestamp tokens into segments; text after the last
+    /// timestamp (or a window without timestamps) runs to the window end.
+    fn segments_of(
+        &self,
+        tokens: &[u32],
+        offset: f64,
+        window_end: f64,
+        out: &mut Vec<Segment>,
+    ) -> Result<()> {
+        let tb = self.specials.timestamp_begin;
+        let mut seg_start = offset;
+        let mut text_tokens: Vec<u32> = Vec::new();
+        let mut flush = |text_tokens: &mut Vec<u32>, start: f64, end: f64| -> Result<()> {
+            if text_tokens.is_empty() {
+                return Ok(());
+            }
+            let text = self
+                .tokenizer
+                .decode(text_tokens, true)
+                .map_err(|e| anyhow!("detokenizing: {e}"))?;
+            text_tokens.clear();
+            let text = text.trim().to_string();
+            if !text.is_empty() {
+                let start = start.min(window_end);
+                out.push(Segment {
+                    start,
+                    end: end.clamp(start, window_end),
+                    text,
+                });
+            }
+            Ok(())
+        };
+        for &t in tokens {
+            if t >= tb {
+                let time = offset + (t - tb) as f64 * TIMESTAMP_STEP;
+                flush(&mut text_tokens, seg_start, time)?;
+                seg_start = time;
+            } else if t < self.specials.eot {
+                text_tokens.push(t);
+            }
+        }
+        flush(&mut text_tokens, seg_start, window_end)?;
+        Ok(())
+    }
+}
