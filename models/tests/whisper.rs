@@ -52,8 +52,17 @@ fn normalise(s: &str) -> Vec<String> {
         .collect();
     cleaned
         .split_whitespace()
-        .map(|w| w.trim_matches('\'').to_string())
+        .map(|w| w.trim_matches('\''))
         .filter(|w| !w.is_empty())
+        // Spelled-out titles, as Whisper's EnglishTextNormalizer does: the references spell
+        // "mister", Whisper writes "Mr.".
+        .map(|w| match w {
+            "mr" => "mister",
+            "mrs" => "missus",
+            "dr" => "doctor",
+            w => w,
+        })
+        .map(str::to_string)
         .collect()
 }
 
@@ -126,7 +135,7 @@ fn tiny_en_librivox_wer() {
 fn tiny_en_without_timestamps_gives_one_segment_per_window() {
     let Some(dir) = models_dir() else { return };
     let mut whisper = load(&dir);
-    let (id, reference) = references(&dir).remove(1);
+    let (id, reference) = references(&dir).remove(4);
     let pcm = clip_pcm(&dir, &id);
     let opts = TranscribeOptions { timestamps: false, ..Default::default() };
     let tr = whisper.transcribe(&pcm, &opts, &mut |_, _| {}).unwrap();
