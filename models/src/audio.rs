@@ -33,7 +33,12 @@ pub enum AudioError {
     /// [`probe_duration`] against their own limit and report it with this variant so the code is
     /// the same everywhere.
     #[error("audio is {seconds:.1} s long, the limit is {limit:.1} s")]
-    TooLong { seconds: f64, limit: f64 },
+    TooLong {
+        /// Duration of the audio.
+        seconds: f64,
+        /// The limit it exceeded.
+        limit: f64,
+    },
 }
 
 impl AudioError {

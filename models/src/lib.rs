@@ -1,2 +1,10 @@
+//! Speech-to-text models for tern.
+//!
+//! - [`audio`]: probe and decode uploads (WAV/FLAC/MP3/OGG-Vorbis) to 16 kHz mono PCM.
+//! - [`whisper`]: Whisper on candle, loaded straight from faster-whisper (CTranslate2) folders.
+//!
+//! Everything runs on the CPU by default (pass another candle `Device` to
+//! [`whisper::Whisper::load_ct2`] to change that); no network access is needed at run time.
+
 pub mod audio;
 pub mod whisper;

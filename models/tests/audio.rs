@@ -8,7 +8,9 @@ use tern_models::audio::{decode_mono_16k, probe_duration, AudioError, SAMPLE_RAT
 fn clip() -> Option<Vec<u8>> {
     let dir = std::env::var_os("TERN_MODELS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tern/models"));
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tern/models")
+        });
     let path = dir.join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav");
     match std::fs::read(&path) {
         Ok(b) => Some(b),
@@ -60,12 +62,17 @@ fn probe_matches_decoded_length() {
 
 #[test]
 fn garbage_is_unreadable() {
-    let garbage: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let garbage: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     for input in [&garbage[..], b"", b"RIFF"] {
         let e = decode_mono_16k(input).unwrap_err();
         assert!(matches!(e, AudioError::Unreadable(_)), "{e:?}");
         assert_eq!(e.code(), "audio_unreadable");
-        assert_eq!(probe_duration(input).unwrap_err().code(), "audio_unreadable");
+        assert_eq!(
+            probe_duration(input).unwrap_err().code(),
+            "audio_unreadable"
+        );
     }
 }
 
@@ -86,7 +93,10 @@ fn truncated_wav_does_not_panic() {
     // only a panic is not.
     match decode_mono_16k(cut) {
         Ok(pcm) => assert!(pcm.len() <= 1000),
-        Err(e) => assert!(matches!(e, AudioError::Unreadable(_) | AudioError::Empty), "{e:?}"),
+        Err(e) => assert!(
+            matches!(e, AudioError::Unreadable(_) | AudioError::Empty),
+            "{e:?}"
+        ),
     }
     let _ = probe_duration(cut);
 }
@@ -97,7 +107,8 @@ fn stereo_44k1_is_downmixed_and_resampled() {
     let rate = 44_100u32;
     let samples: Vec<i16> = (0..rate)
         .flat_map(|i| {
-            let v = (f64::sin(2.0 * std::f64::consts::PI * 440.0 * i as f64 / rate as f64) * 16_000.0) as i16;
+            let v = (f64::sin(2.0 * std::f64::consts::PI * 440.0 * i as f64 / rate as f64)
+                * 16_000.0) as i16;
             [v, 0]
         })
         .collect();
@@ -112,7 +123,17 @@ fn stereo_44k1_is_downmixed_and_resampled() {
 
 #[test]
 fn error_codes_are_stable() {
-    assert_eq!(AudioError::TooLong { seconds: 5.0, limit: 1.0 }.code(), "audio_too_long");
+    assert_eq!(
+        AudioError::TooLong {
+            seconds: 5.0,
+            limit: 1.0
+        }
+        .code(),
+        "audio_too_long"
+    );
     assert_eq!(AudioError::Empty.code(), "audio_empty");
-    assert_eq!(AudioError::Unreadable("x".into()).code(), "audio_unreadable");
+    assert_eq!(
+        AudioError::Unreadable("x".into()).code(),
+        "audio_unreadable"
+    );
 }

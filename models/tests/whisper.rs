@@ -4,7 +4,7 @@
 //! and `testdata/librivox/`. Tests print SKIPPED and return when it is missing, except under
 //! `CI=true`, where a missing dir fails them so CI cannot pass vacuously.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::Device;
@@ -14,8 +14,12 @@ use tern_models::whisper::{windows_for, TranscribeOptions, Whisper};
 fn models_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("TERN_MODELS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tern/models"));
-    if dir.join("whisper-tiny.en/model.bin").is_file() && dir.join("testdata/librivox/transcription").is_file() {
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tern/models")
+        });
+    if dir.join("whisper-tiny.en/model.bin").is_file()
+        && dir.join("testdata/librivox/transcription").is_file()
+    {
         return Some(dir);
     }
     let msg = format!(
@@ -30,7 +34,7 @@ fn models_dir() -> Option<PathBuf> {
 }
 
 /// (clip id, reference text) from the pocketsphinx `transcription` file.
-fn references(dir: &PathBuf) -> Vec<(String, String)> {
+fn references(dir: &Path) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(dir.join("testdata/librivox/transcription")).unwrap();
     text.lines()
         .filter(|l| !l.trim().is_empty())
@@ -48,7 +52,13 @@ fn normalise(s: &str) -> Vec<String> {
     let cleaned: String = s
         .to_lowercase()
         .chars()
-        .map(|c| if c.is_alphanumeric() || c == '\'' { c } else { ' ' })
+        .map(|c| {
+            if c.is_alphanumeric() || c == '\'' {
+                c
+            } else {
+                ' '
+            }
+        })
         .collect();
     cleaned
         .split_whitespace()
@@ -72,14 +82,16 @@ fn edit_distance(a: &[String], b: &[String]) -> usize {
     for (i, wa) in a.iter().enumerate() {
         let mut cur = vec![i + 1; b.len() + 1];
         for (j, wb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(wa != wb)).min(prev[j + 1] + 1).min(cur[j] + 1);
+            cur[j + 1] = (prev[j] + usize::from(wa != wb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
         }
         prev = cur;
     }
     prev[b.len()]
 }
 
-fn load(dir: &PathBuf) -> Whisper {
+fn load(dir: &Path) -> Whisper {
     let t = Instant::now();
     let w = Whisper::load_ct2(&dir.join("whisper-tiny.en"), &Device::Cpu).expect("load tiny.en");
     eprintln!("loaded tiny.en in {:.2?}", t.elapsed());
@@ -87,7 +99,7 @@ fn load(dir: &PathBuf) -> Whisper {
     w
 }
 
-fn clip_pcm(dir: &PathBuf, id: &str) -> Vec<f32> {
+fn clip_pcm(dir: &Path, id: &str) -> Vec<f32> {
     let bytes = std::fs::read(dir.join(format!("testdata/librivox/{id}.wav"))).unwrap();
     decode_mono_16k(&bytes).unwrap()
 }
@@ -104,7 +116,9 @@ fn tiny_en_librivox_wer() {
         let t = Instant::now();
         let mut calls = Vec::new();
         let tr = whisper
-            .transcribe(&pcm, &TranscribeOptions::default(), &mut |d, n| calls.push((d, n)))
+            .transcribe(&pcm, &TranscribeOptions::default(), &mut |d, n| {
+                calls.push((d, n))
+            })
             .unwrap();
         let took = t.elapsed();
         assert_eq!(calls, vec![(1, 1)]);
@@ -123,7 +137,10 @@ fn tiny_en_librivox_wer() {
             tr.segments
         );
         for s in &tr.segments {
-            assert!(s.start <= s.end && s.end <= tr.duration + 1e-6, "bad segment {s:?}");
+            assert!(
+                s.start <= s.end && s.end <= tr.duration + 1e-6,
+                "bad segment {s:?}"
+            );
         }
     }
     let wer = errors as f64 / words as f64;
@@ -137,7 +154,10 @@ fn tiny_en_without_timestamps_gives_one_segment_per_window() {
     let mut whisper = load(&dir);
     let (id, reference) = references(&dir).remove(4);
     let pcm = clip_pcm(&dir, &id);
-    let opts = TranscribeOptions { timestamps: false, ..Default::default() };
+    let opts = TranscribeOptions {
+        timestamps: false,
+        ..Default::default()
+    };
     let tr = whisper.transcribe(&pcm, &opts, &mut |_, _| {}).unwrap();
     println!("{id}: {}", tr.text);
     assert_eq!(tr.segments.len(), 1);
@@ -178,7 +198,9 @@ fn long_audio_is_windowed_and_stitched_in_order() {
     let mut calls = Vec::new();
     let t = Instant::now();
     let tr = whisper
-        .transcribe(&pcm, &TranscribeOptions::default(), &mut |d, n| calls.push((d, n)))
+        .transcribe(&pcm, &TranscribeOptions::default(), &mut |d, n| {
+            calls.push((d, n))
+        })
         .unwrap();
     println!("{seconds:.1} s in {:.2?}: {}", t.elapsed(), tr.text);
     for s in &tr.segments {

@@ -99,10 +99,16 @@ impl RawVar {
             }
             4 | 5 => {
                 check_len(name, self.data.len(), n * 2)?;
-                let dt = if self.dtype == 4 { DType::F16 } else { DType::BF16 };
+                let dt = if self.dtype == 4 {
+                    DType::F16
+                } else {
+                    DType::BF16
+                };
                 Tensor::from_raw_buffer(&self.data, dt, &shape, &dev)?.to_dtype(DType::F32)?
             }
-            d => bail!("variable {name} has dtype {d}; only float (F32/F16/BF16) models are supported"),
+            d => bail!(
+                "variable {name} has dtype {d}; only float (F32/F16/BF16) models are supported"
+            ),
         };
         Ok(t)
     }
@@ -155,13 +161,14 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
 
     let mut t: HashMap<String, Tensor> = HashMap::new();
     // Plain renames: (CT2 prefix, HF prefix); each has weight (+ bias) or gamma/beta.
-    let linear = |t: &mut HashMap<String, Tensor>, src: &str, dst: &str, bias: bool| -> Result<()> {
-        t.insert(format!("{dst}.weight"), get(&format!("{src}/weight"))?);
-        if bias {
-            t.insert(format!("{dst}.bias"), get(&format!("{src}/bias"))?);
-        }
-        Ok(())
-    };
+    let linear =
+        |t: &mut HashMap<String, Tensor>, src: &str, dst: &str, bias: bool| -> Result<()> {
+            t.insert(format!("{dst}.weight"), get(&format!("{src}/weight"))?);
+            if bias {
+                t.insert(format!("{dst}.bias"), get(&format!("{src}/bias"))?);
+            }
+            Ok(())
+        };
     let norm = |t: &mut HashMap<String, Tensor>, src: &str, dst: &str| -> Result<()> {
         t.insert(format!("{dst}.weight"), get(&format!("{src}/gamma"))?);
         t.insert(format!("{dst}.bias"), get(&format!("{src}/beta"))?);
@@ -173,7 +180,10 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
         let b = get(&format!("{src}/bias"))?;
         let d = w.dim(0)? / dsts.len();
         for (i, dst) in dsts.iter().enumerate() {
-            t.insert(format!("{dst}.weight"), w.narrow(0, i * d, d)?.contiguous()?);
+            t.insert(
+                format!("{dst}.weight"),
+                w.narrow(0, i * d, d)?.contiguous()?,
+            );
             // candle's k_proj has no bias (Whisper trains without it; CT2 stores zeros).
             if !dst.ends_with("k_proj") {
                 t.insert(format!("{dst}.bias"), b.narrow(0, i * d, d)?.contiguous()?);
@@ -196,16 +206,46 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
         split(
             &mut t,
             &format!("{s}/self_attention/linear_0"),
-            &[&format!("{d}.self_attn.q_proj"), &format!("{d}.self_attn.k_proj"), &format!("{d}.self_attn.v_proj")],
+            &[
+                &format!("{d}.self_attn.q_proj"),
+                &format!("{d}.self_attn.k_proj"),
+                &format!("{d}.self_attn.v_proj"),
+            ],
         )?;
-        linear(&mut t, &format!("{s}/self_attention/linear_1"), &format!("{d}.self_attn.out_proj"), true)?;
-        norm(&mut t, &format!("{s}/self_attention/layer_norm"), &format!("{d}.self_attn_layer_norm"))?;
-        linear(&mut t, &format!("{s}/ffn/linear_0"), &format!("{d}.fc1"), true)?;
-        linear(&mut t, &format!("{s}/ffn/linear_1"), &format!("{d}.fc2"), true)?;
-        norm(&mut t, &format!("{s}/ffn/layer_norm"), &format!("{d}.final_layer_norm"))?;
+        linear(
+            &mut t,
+            &format!("{s}/self_attention/linear_1"),
+            &format!("{d}.self_attn.out_proj"),
+            true,
+        )?;
+        norm(
+            &mut t,
+            &format!("{s}/self_attention/layer_norm"),
+            &format!("{d}.self_attn_layer_norm"),
+        )?;
+        linear(
+            &mut t,
+            &format!("{s}/ffn/linear_0"),
+            &format!("{d}.fc1"),
+            true,
+        )?;
+        linear(
+            &mut t,
+            &format!("{s}/ffn/linear_1"),
+            &format!("{d}.fc2"),
+            true,
+        )?;
+        norm(
+            &mut t,
+            &format!("{s}/ffn/layer_norm"),
+            &format!("{d}.final_layer_norm"),
+        )?;
     }
 
-    t.insert("model.decoder.embed_tokens.weight".into(), get("decoder/embeddings/weight")?);
+    t.insert(
+        "model.decoder.embed_tokens.weight".into(),
+        get("decoder/embeddings/weight")?,
+    );
     t.insert(
         "model.decoder.embed_positions.weight".into(),
         get("decoder/position_encodings/encodings")?,
@@ -218,21 +258,65 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
         split(
             &mut t,
             &format!("{s}/self_attention/linear_0"),
-            &[&format!("{d}.self_attn.q_proj"), &format!("{d}.self_attn.k_proj"), &format!("{d}.self_attn.v_proj")],
+            &[
+                &format!("{d}.self_attn.q_proj"),
+                &format!("{d}.self_attn.k_proj"),
+                &format!("{d}.self_attn.v_proj"),
+            ],
         )?;
-        linear(&mut t, &format!("{s}/self_attention/linear_1"), &format!("{d}.self_attn.out_proj"), true)?;
-        norm(&mut t, &format!("{s}/self_attention/layer_norm"), &format!("{d}.self_attn_layer_norm"))?;
-        linear(&mut t, &format!("{s}/attention/linear_0"), &format!("{d}.encoder_attn.q_proj"), true)?;
+        linear(
+            &mut t,
+            &format!("{s}/self_attention/linear_1"),
+            &format!("{d}.self_attn.out_proj"),
+            true,
+        )?;
+        norm(
+            &mut t,
+            &format!("{s}/self_attention/layer_norm"),
+            &format!("{d}.self_attn_layer_norm"),
+        )?;
+        linear(
+            &mut t,
+            &format!("{s}/attention/linear_0"),
+            &format!("{d}.encoder_attn.q_proj"),
+            true,
+        )?;
         split(
             &mut t,
             &format!("{s}/attention/linear_1"),
-            &[&format!("{d}.encoder_attn.k_proj"), &format!("{d}.encoder_attn.v_proj")],
+            &[
+                &format!("{d}.encoder_attn.k_proj"),
+                &format!("{d}.encoder_attn.v_proj"),
+            ],
         )?;
-        linear(&mut t, &format!("{s}/attention/linear_2"), &format!("{d}.encoder_attn.out_proj"), true)?;
-        norm(&mut t, &format!("{s}/attention/layer_norm"), &format!("{d}.encoder_attn_layer_norm"))?;
-        linear(&mut t, &format!("{s}/ffn/linear_0"), &format!("{d}.fc1"), true)?;
-        linear(&mut t, &format!("{s}/ffn/linear_1"), &format!("{d}.fc2"), true)?;
-        norm(&mut t, &format!("{s}/ffn/layer_norm"), &format!("{d}.final_layer_norm"))?;
+        linear(
+            &mut t,
+            &format!("{s}/attention/linear_2"),
+            &format!("{d}.encoder_attn.out_proj"),
+            true,
+        )?;
+        norm(
+            &mut t,
+            &format!("{s}/attention/layer_norm"),
+            &format!("{d}.encoder_attn_layer_norm"),
+        )?;
+        linear(
+            &mut t,
+            &format!("{s}/ffn/linear_0"),
+            &format!("{d}.fc1"),
+            true,
+        )?;
+        linear(
+            &mut t,
+            &format!("{s}/ffn/linear_1"),
+            &format!("{d}.fc2"),
+            true,
+        )?;
+        norm(
+            &mut t,
+            &format!("{s}/ffn/layer_norm"),
+            &format!("{d}.final_layer_norm"),
+        )?;
     }
 
     let emb = &t["model.decoder.embed_tokens.weight"];

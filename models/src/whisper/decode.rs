@@ -108,7 +108,11 @@ fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: b
     }
     if let Some(&last_ts) = sampled.iter().rev().find(|&&t| is_ts(t)) {
         // Timestamps never decrease, and segments have nonzero length.
-        let floor = if last_was_ts && !penult_was_ts { last_ts } else { last_ts + 1 };
+        let floor = if last_was_ts && !penult_was_ts {
+            last_ts
+        } else {
+            last_ts + 1
+        };
         logits[tb..(floor as usize).min(n)].fill(neg);
     }
     if sampled.is_empty() {

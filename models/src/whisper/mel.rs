@@ -35,7 +35,9 @@ fn mel_to_hz(mel: f64) -> f64 {
 pub(crate) fn mel_filters(n_mels: usize) -> Vec<f32> {
     let sr = m::SAMPLE_RATE as f64;
     let n_freqs = m::N_FFT / 2 + 1;
-    let fft_freqs: Vec<f64> = (0..n_freqs).map(|i| i as f64 * sr / m::N_FFT as f64).collect();
+    let fft_freqs: Vec<f64> = (0..n_freqs)
+        .map(|i| i as f64 * sr / m::N_FFT as f64)
+        .collect();
     let (lo, hi) = (hz_to_mel(0.0), hz_to_mel(sr / 2.0));
     let mel_f: Vec<f64> = (0..n_mels + 2)
         .map(|i| mel_to_hz(lo + (hi - lo) * i as f64 / (n_mels + 1) as f64))
@@ -55,7 +57,12 @@ pub(crate) fn mel_filters(n_mels: usize) -> Vec<f32> {
 
 /// Log-mel of one window (at most 30 s of 16 kHz samples) as a `(1, n_mels, 3000)` tensor;
 /// shorter windows are zero-padded to 30 s as Whisper expects.
-pub(crate) fn window_mel(cfg: &Config, filters: &[f32], samples: &[f32], device: &Device) -> Result<Tensor> {
+pub(crate) fn window_mel(
+    cfg: &Config,
+    filters: &[f32],
+    samples: &[f32],
+    device: &Device,
+) -> Result<Tensor> {
     let n_mels = cfg.num_mel_bins;
     let mel = log_mel(samples, filters, n_mels);
     Ok(Tensor::from_vec(mel, (1, n_mels, m::N_FRAMES), device)?)

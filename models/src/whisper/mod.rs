@@ -59,7 +59,10 @@ impl Default for TranscribeOptions {
 /// A timed piece of the transcript. Times are seconds from the start of the audio.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Segment {
+    /// Start in seconds from the start of the audio (window start + timestamp token).
     pub start: f64,
+    /// End in seconds; text after the last timestamp of a window runs to the window end.
+    /// Always `start <= end <= duration`.
     pub end: f64,
     /// Trimmed text of the segment.
     pub text: String,
@@ -92,6 +95,12 @@ pub struct Whisper {
     device: Device,
 }
 
+// Workers move a loaded model into their own thread.
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<Whisper>();
+};
+
 /// Number of 30 s windows audio of `seconds` costs: `ceil(seconds / 30)`, at least 1 (empty or
 /// sub-second audio still costs one encoder pass).
 pub fn windows_for(seconds: f64) -> usize {
@@ -123,12 +132,15 @@ impl Whisper {
     /// Weights are converted to F32 on the CPU, then moved to `device`.
     pub fn load_ct2(dir: &Path, device: &Device) -> Result<Whisper> {
         let bin_path = dir.join("model.bin");
-        let bytes = std::fs::read(&bin_path)
-            .with_context(|| format!("reading {}", bin_path.display()))?;
+        let bytes =
+            std::fs::read(&bin_path).with_context(|| format!("reading {}", bin_path.display()))?;
         let vars = ct2::read_model_bin(&bytes)
             .with_context(|| format!("parsing {}", bin_path.display()))?;
         drop(bytes);
-        let ct2::Ct2Whisper { tensors, mut config } = ct2::to_candle(&vars)?;
+        let ct2::Ct2Whisper {
+            tensors,
+            mut config,
+        } = ct2::to_candle(&vars)?;
         drop(vars);
 
         let cfg_path = dir.join("config.json");
