@@ -7,8 +7,8 @@
 # one tern-worker, submits a job over the HTTP API, waits for it to finish, prints the
 # final job and downloads the job's output object from S3 through its presigned URL.
 #
-# For now the job is the built-in "echo" kind. Once transcription exists, this demo will
-# transcribe a real audio file instead.
+# The job transcribes a real recording (a LibriVox clip from Debian's pocketsphinx-testdata,
+# fetched by scripts/models.sh with Whisper tiny.en) and prints the transcript and subtitles.
 #
 # Usage: scripts/demo.sh     (API address: TERN_LISTEN, default 127.0.0.1:8080)
 # Logs: $TERN_STATE_DIR/demo-api.log and demo-worker.log (TERN_STATE_DIR: ~/.cache/tern)
@@ -23,6 +23,7 @@ die() {
 }
 
 bash scripts/services.sh up
+bash scripts/models.sh
 # shellcheck source=env.sh
 . scripts/env.sh
 
@@ -102,10 +103,16 @@ say "starting one tern-worker (log: $worker_log)"
 "$TERN_BIN_DIR/tern-worker" >"$worker_log" 2>&1 </dev/null &
 WORKER_PID=$!
 
-say "submitting an echo job"
-request='{"kind":"echo","priority":"high","input":{"message":"hello from tern"}}'
+clip="$TERN_MODELS_DIR/testdata/librivox/sense_and_sensibility_01_austen_64kb-0870.wav"
+say "submitting a transcription of $(basename "$clip") (LibriVox speech, sent as base64)"
+request_file="$TERN_STATE_DIR/demo-request.json"
+python3 - "$clip" >"$request_file" <<'PY'
+import base64, json, sys
+audio = base64.b64encode(open(sys.argv[1], "rb").read()).decode()
+print(json.dumps({"kind": "transcribe", "priority": "high", "input": {"audio": {"base64": audio}}}))
+PY
 response="$(curl -sS -X POST "$API/v1/jobs" -H 'content-type: application/json' \
-  -d "$request" -w '\n%{http_code}')" || die "POST $API/v1/jobs failed"
+  -d "@$request_file" -w '\n%{http_code}')" || die "POST $API/v1/jobs failed"
 status="${response##*$'\n'}"
 body="${response%$'\n'*}"
 if [[ "$status" != 2?? ]]; then
@@ -116,7 +123,7 @@ id="$(json_get id <<<"$body")" || die "cannot parse the submit response: $body"
 [[ -n "$id" ]] || die "the submit response has no id: $body"
 say "job $id submitted; waiting for it to finish"
 
-deadline=$((SECONDS + 60))
+deadline=$((SECONDS + 180))
 state=""
 job=""
 while :; do
@@ -132,7 +139,7 @@ while :; do
   fi
   if ((SECONDS >= deadline)); then
     [[ -n "$job" ]] && printf '%s\n' "$job" | pretty_json >&2
-    die "job $id not finished after 60 s (last state: ${state:-unknown}); logs: $api_log, $worker_log"
+    die "job $id not finished after 180 s (last state: ${state:-unknown}); logs: $api_log, $worker_log"
   fi
   sleep 0.2
 done
@@ -150,3 +157,11 @@ object="$(curl -sSf --max-time 30 "$url")" || die "downloading the output object
 echo
 echo "Output object from S3:"
 printf '%s\n' "$object" | pretty_json || printf '%s\n' "$object"
+
+srt_url="$(json_get output.formats.srt.url <<<"$job")"
+if [[ -n "$srt_url" ]]; then
+  echo
+  echo "Subtitles (SRT) from S3:"
+  curl -sSf --max-time 30 "$srt_url" || die "downloading the SRT output failed"
+fi
+echo "Reference transcript: $(grep -F "$(basename "$clip" .wav)" "$TERN_MODELS_DIR/testdata/librivox/transcription" | sed -e 's/<s> //' -e 's/ <\/s>.*//')"

@@ -289,6 +289,8 @@ start_weed() {
   if [[ -f "$WEED_LOG" ]]; then mv -f "$WEED_LOG" "$WEED_LOG.1"; fi
   rm -f "$WEED_PID"
   log "starting SeaweedFS S3 on 127.0.0.1:8333 (log: $WEED_LOG)"
+  # Small volumes: SeaweedFS sizes its volume count from free disk / volume size, and every
+  # bucket takes volumes of its own; 1 GiB volumes run out after a few dozen buckets.
   # The inner shell records its own pid and then becomes weed; setsid + nohup detach
   # it from this script's session so it keeps running after we exit.
   # shellcheck disable=SC2016
@@ -296,6 +298,7 @@ start_weed() {
     "$WEED_BIN" mini -dir="$WEED_DATA" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3.port=8333 \
     -s3.config="$WEED_CREDS" -s3.allowDeleteBucketNotEmpty=false -master.telemetry=false \
     -webdav=false -admin.ui=false -s3.port.iceberg=0 -s3.port.lance=0 \
+    -master.volumeSizeLimitMB=128 \
     >>"$WEED_LOG" 2>&1 </dev/null &
 
   local deadline=$((SECONDS + 60))

@@ -96,7 +96,11 @@ async fn main() -> anyhow::Result<()> {
         store,
         queue,
         objects,
-        limits: Limits { max_queued: args.max_queued, max_body_bytes: args.max_body_bytes },
+        limits: Limits {
+            max_queued: args.max_queued,
+            max_body_bytes: args.max_body_bytes,
+            max_audio_seconds: args.services.max_audio_seconds,
+        },
     }));
     let app = routes::router(state);
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;

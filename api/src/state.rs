@@ -19,6 +19,8 @@ pub struct Limits {
     pub max_queued: u64,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
+    /// Longest audio a job may bring, seconds.
+    pub max_audio_seconds: f64,
 }
 
 impl std::ops::Deref for AppState {

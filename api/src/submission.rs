@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use tern_jobs::file_ref::{FileRef, FileRefError};
 use tern_jobs::job::{MAX_ATTEMPTS_LIMIT, METADATA_MAX_BYTES, TIMEOUT_MS_LIMIT};
 use tern_jobs::{schemas, JobKind, NewJob, ObjectStore, Priority};
+use tern_models::{audio, whisper};
 use uuid::Uuid;
 
 /// Longest accepted idempotency key, characters.
@@ -161,16 +162,25 @@ fn file_error(field: &str, e: FileRefError) -> ApiError {
     ApiError::new(status, e.code(), format!("input.{field}: {e}"))
 }
 
+/// Largest upload read back at submit to probe its audio duration: 512 MiB.
+const PROBE_MAX_BYTES: u64 = 512 * 1024 * 1024;
+
 /// Moves base64 files of a checked job into object storage, replacing them with their upload
-/// key, and checks that referenced uploads exist.
-pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore) -> Result<(), ApiError> {
+/// key; checks that referenced uploads exist; and, for audio, probes the duration to set the
+/// job's cost (30 s windows) and enforce `max_audio_seconds`. Audio given by URL is probed by
+/// the worker instead (fetching arbitrary URLs at submit would stall the API).
+pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore, max_audio_seconds: f64) -> Result<(), ApiError> {
+    let probes_audio = job.kind == JobKind::Transcribe;
     for field in job.kind.file_fields() {
         let Some(file) = job.input.get(*field) else { continue };
         match FileRef::parse(file).map_err(|e| file_error(field, e))? {
             FileRef::Base64(data) => {
-                let bytes = FileRef::decode_base64(&data).map_err(|e| file_error(field, e))?;
+                let bytes = bytes::Bytes::from(FileRef::decode_base64(&data).map_err(|e| file_error(field, e))?);
+                if probes_audio {
+                    job.cost = audio_cost(bytes.clone(), max_audio_seconds).await?;
+                }
                 let key = format!("{}{}", tern_jobs::file_ref::UPLOAD_PREFIX, Uuid::now_v7());
-                objects.put(&key, bytes.into(), "application/octet-stream").await?;
+                objects.put(&key, bytes, "application/octet-stream").await?;
                 job.input[*field] = FileRef::UploadKey(key).to_json();
             }
             FileRef::UploadKey(key) => {
@@ -180,9 +190,29 @@ pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore) -> Resu
                         format!("input.{field}: nothing was uploaded under {key:?}"),
                     ));
                 }
+                if probes_audio {
+                    let bytes = objects.get(&key, PROBE_MAX_BYTES).await?;
+                    job.cost = audio_cost(bytes, max_audio_seconds).await?;
+                }
             }
             FileRef::Url(_) => {}
         }
     }
     Ok(())
+}
+
+/// The cost (30 s windows) of audio, probing its duration off the async runtime.
+async fn audio_cost(bytes: bytes::Bytes, max_audio_seconds: f64) -> Result<i32, ApiError> {
+    let seconds = tokio::task::spawn_blocking(move || audio::probe_duration(&bytes))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string()))?;
+    if seconds > max_audio_seconds {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "audio_too_long",
+            format!("the audio lasts {seconds:.1} s; the limit is {max_audio_seconds:.0} s"),
+        ));
+    }
+    Ok(whisper::windows_for(seconds) as i32)
 }

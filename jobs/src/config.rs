@@ -72,6 +72,9 @@ pub struct S3Args {
     /// Bucket for uploads and outputs; created if missing.
     #[arg(long, env = "TERN_S3_BUCKET", default_value = "tern")]
     pub s3_bucket: String,
+    /// Prefix of every object key (e.g. `staging/`), to share a bucket between deployments.
+    #[arg(long, env = "TERN_S3_PREFIX", default_value = "")]
+    pub s3_prefix: String,
     #[arg(long, env = "TERN_S3_ACCESS_KEY", default_value = "tern-dev", hide_env_values = true)]
     pub s3_access_key: String,
     #[arg(long, env = "TERN_S3_SECRET_KEY", default_value = "tern-dev-secret", hide_env_values = true, hide_default_value = true)]
@@ -91,6 +94,7 @@ impl std::fmt::Debug for S3Args {
             .field("s3_endpoint", &self.s3_endpoint)
             .field("s3_region", &self.s3_region)
             .field("s3_bucket", &self.s3_bucket)
+            .field("s3_prefix", &self.s3_prefix)
             .field("s3_access_key", &self.s3_access_key)
             .field("s3_secret_key", &"<redacted>")
             .field("s3_path_style", &self.s3_path_style)
@@ -104,6 +108,7 @@ impl S3Args {
             endpoint: self.s3_endpoint.clone(),
             region: self.s3_region.clone(),
             bucket: self.s3_bucket.clone(),
+            key_prefix: self.s3_prefix.clone(),
             access_key: self.s3_access_key.clone(),
             secret_key: self.s3_secret_key.clone(),
             path_style: self.s3_path_style,
@@ -134,4 +139,7 @@ pub struct ServiceArgs {
     pub s3: S3Args,
     #[command(flatten)]
     pub log: LogArgs,
+    /// Longest audio (seconds) a transcription job may bring; longer fails with `audio_too_long`.
+    #[arg(long, env = "TERN_MAX_AUDIO_SECONDS", default_value_t = 7200.0)]
+    pub max_audio_seconds: f64,
 }

@@ -2,6 +2,7 @@ use crate::{JobKind, JobState, Priority};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::collections::BTreeMap;
 use uuid::Uuid;
 
 /// Largest `metadata` object a job may carry, serialised: 16 KiB.
@@ -66,6 +67,9 @@ pub struct JobOutput {
     /// Hex SHA-256 of the object's bytes.
     pub sha256: String,
     pub content_type: String,
+    /// Other renderings of the same result, by format name (`srt`, `vtt` for transcriptions).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub formats: BTreeMap<String, JobOutput>,
 }
 
 /// A job about to be inserted. Build it with [`NewJob::new`] and adjust the public fields.

@@ -10,15 +10,18 @@ pub enum JobKind {
     /// Diagnostic kind: returns its input after an optional `sleep_ms`; exercises the whole path
     /// (API, queue, worker, S3) without a model.
     Echo,
+    /// Speech to text with Whisper: JSON, SRT and VTT outputs. Costs one unit per 30 s window.
+    Transcribe,
 }
 
 impl JobKind {
     /// Every kind, in a stable order.
-    pub const ALL: &'static [JobKind] = &[JobKind::Echo];
+    pub const ALL: &'static [JobKind] = &[JobKind::Echo, JobKind::Transcribe];
 
     pub fn as_str(self) -> &'static str {
         match self {
             JobKind::Echo => "echo",
+            JobKind::Transcribe => "transcribe",
         }
     }
 
@@ -26,6 +29,7 @@ impl JobKind {
     pub fn file_fields(self) -> &'static [&'static str] {
         match self {
             JobKind::Echo => &["file"],
+            JobKind::Transcribe => &["audio"],
         }
     }
 }

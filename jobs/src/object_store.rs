@@ -18,6 +18,9 @@ pub struct ObjectStoreSettings {
     pub endpoint: Option<String>,
     pub region: String,
     pub bucket: String,
+    /// Prefix of every object key tern writes or reads (e.g. `staging/`), so deployments can
+    /// share a bucket. Keys tern reports (uploads, outputs) are relative to it. Default empty.
+    pub key_prefix: String,
     pub access_key: String,
     pub secret_key: String,
     /// Path-style addressing (`endpoint/bucket/key`), which most self-hosted servers need.
@@ -31,6 +34,7 @@ pub struct ObjectStoreSettings {
 pub struct ObjectStore {
     client: Client,
     bucket: String,
+    key_prefix: String,
     presign_ttl: Duration,
 }
 
@@ -57,12 +61,18 @@ impl ObjectStore {
         ObjectStore {
             client: Client::from_conf(builder.build()),
             bucket: settings.bucket.clone(),
+            key_prefix: settings.key_prefix.clone(),
             presign_ttl: settings.presign_ttl,
         }
     }
 
     pub fn bucket(&self) -> &str {
         &self.bucket
+    }
+
+    /// The object's key in the bucket.
+    fn full_key(&self, key: &str) -> String {
+        format!("{}{key}", self.key_prefix)
     }
 
     /// Creates the bucket unless it exists.
@@ -101,13 +111,19 @@ impl ObjectStore {
         self.client
             .put_object()
             .bucket(&self.bucket)
-            .key(key)
+            .key(self.full_key(key))
             .content_type(content_type)
             .body(ByteStream::from(body))
             .send()
             .await
             .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
-        Ok(JobOutput { key: key.to_string(), size, sha256, content_type: content_type.to_string() })
+        Ok(JobOutput {
+            key: key.to_string(),
+            size,
+            sha256,
+            content_type: content_type.to_string(),
+            formats: Default::default(),
+        })
     }
 
     /// The object's bytes, at most `max_bytes` of them (a larger object is an error).
@@ -116,7 +132,7 @@ impl ObjectStore {
             .client
             .get_object()
             .bucket(&self.bucket)
-            .key(key)
+            .key(self.full_key(key))
             .send()
             .await
             .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
@@ -127,9 +143,24 @@ impl ObjectStore {
         Ok(data.into_bytes())
     }
 
+    /// The first `len` bytes of the object (fewer if it is shorter).
+    pub async fn get_prefix(&self, key: &str, len: u64) -> Result<Bytes> {
+        let resp = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(self.full_key(key))
+            .range(format!("bytes=0-{}", len.saturating_sub(1)))
+            .send()
+            .await
+            .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
+        let data = resp.body.collect().await.map_err(s3_err)?;
+        Ok(data.into_bytes())
+    }
+
     /// Size of the object, or `None` if there is none under `key`.
     pub async fn size(&self, key: &str) -> Result<Option<i64>> {
-        match self.client.head_object().bucket(&self.bucket).key(key).send().await {
+        match self.client.head_object().bucket(&self.bucket).key(self.full_key(key)).send().await {
             Ok(head) => Ok(Some(head.content_length().unwrap_or(0))),
             Err(e) if e.as_service_error().is_some_and(|s| s.is_not_found()) => Ok(None),
             Err(e) => Err(s3_err(aws_sdk_s3::error::DisplayErrorContext(e))),
@@ -139,14 +170,14 @@ impl ObjectStore {
     /// A URL that downloads the object without credentials until the presign TTL passes.
     pub async fn presign_get(&self, key: &str) -> Result<String> {
         let config = PresigningConfig::expires_in(self.presign_ttl).map_err(s3_err)?;
-        let req = self.client.get_object().bucket(&self.bucket).key(key).presigned(config).await.map_err(s3_err)?;
+        let req = self.client.get_object().bucket(&self.bucket).key(self.full_key(key)).presigned(config).await.map_err(s3_err)?;
         Ok(req.uri().to_string())
     }
 
     /// A URL that uploads the object with a plain HTTP PUT until the presign TTL passes.
     pub async fn presign_put(&self, key: &str) -> Result<String> {
         let config = PresigningConfig::expires_in(self.presign_ttl).map_err(s3_err)?;
-        let req = self.client.put_object().bucket(&self.bucket).key(key).presigned(config).await.map_err(s3_err)?;
+        let req = self.client.put_object().bucket(&self.bucket).key(self.full_key(key)).presigned(config).await.map_err(s3_err)?;
         Ok(req.uri().to_string())
     }
 

@@ -211,7 +211,8 @@ impl Queue {
                 .key(self.key(kind, "delayed"))
                 .key(self.key(kind, "meta"))
                 .key(self.key(kind, "tokens"))
-                .key(self.key(kind, "canceled"));
+                .key(self.key(kind, "canceled"))
+                .key(self.key(kind, "progress"));
             for (id, token, action) in chunk {
                 let action = match action {
                     SettleAction::Done => "done".to_string(),
@@ -278,6 +279,23 @@ impl Queue {
             restored += n;
         }
         Ok(restored)
+    }
+
+    /// Records how far a running job got (`done` of `total` units: windows, tokens).
+    pub async fn set_progress(&self, kind: JobKind, id: Uuid, done: u64, total: u64) -> Result<()> {
+        let mut c = self.conn().await?;
+        let _: () = c.hset(self.key(kind, "progress"), id.to_string(), format!("{done}/{total}")).await?;
+        Ok(())
+    }
+
+    /// How far a running job got: (done, total), if it reported any progress.
+    pub async fn progress(&self, kind: JobKind, id: Uuid) -> Result<Option<(u64, u64)>> {
+        let mut c = self.conn().await?;
+        let v: Option<String> = c.hget(self.key(kind, "progress"), id.to_string()).await?;
+        Ok(v.and_then(|v| {
+            let (done, total) = v.split_once('/')?;
+            Some((done.parse().ok()?, total.parse().ok()?))
+        }))
     }
 
     /// Jobs of `kind` waiting: ready plus delayed.

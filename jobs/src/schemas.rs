@@ -14,6 +14,10 @@ pub fn documents(kind: JobKind) -> (&'static str, &'static str) {
             include_str!("../../schemas/echo.input.json"),
             include_str!("../../schemas/echo.output.json"),
         ),
+        JobKind::Transcribe => (
+            include_str!("../../schemas/transcribe.input.json"),
+            include_str!("../../schemas/transcribe.output.json"),
+        ),
     }
 }
 

@@ -85,6 +85,8 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
         .and_then(|p| p.audio())
         .ok_or_else(|| AudioError::Unreadable("track has no audio codec parameters".into()))?
         .clone();
+    // Frames the container declares (WAV, FLAC do): fewer decoded means the file was cut short.
+    let declared_frames = track.num_frames;
     let mut decoder = symphonia::default::get_codecs()
         .make_audio_decoder(&params, &AudioDecoderOptions::default())
         .map_err(|e| AudioError::Unreadable(e.to_string()))?;
@@ -141,6 +143,15 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
             "unknown channel count or sample rate".into(),
         ));
     }
+    if let Some(declared) = declared_frames {
+        let decoded = (samples.len() / channels) as u64;
+        // A few frames of slack for codecs whose last packet is padded or trimmed.
+        if decoded + u64::from(rate / 100) < declared {
+            return Err(AudioError::Unreadable(format!(
+                "truncated: the header declares {declared} frames, only {decoded} are present"
+            )));
+        }
+    }
     Ok((samples, channels, rate))
 }
 
@@ -178,8 +189,9 @@ pub fn probe_duration(bytes: &[u8]) -> Result<f64, AudioError> {
 /// Decodes WAV/FLAC/MP3/OGG-Vorbis bytes, downmixes to mono (channel mean) and resamples to
 /// [`SAMPLE_RATE`] with rubato's FFT resampler. Returns f32 samples in [-1, 1].
 ///
-/// Corrupt packets are skipped and a truncated file yields what decoded before the cut.
-/// Errors: [`AudioError::Unreadable`] when nothing can be decoded, [`AudioError::Empty`] when the
+/// Corrupt packets are skipped, as players do. A file whose container declares more frames than
+/// it holds (cut short in transfer) is [`AudioError::Unreadable`].
+/// Errors: [`AudioError::Unreadable`] when nothing can be decoded or the file is truncated, [`AudioError::Empty`] when the
 /// stream decodes to no samples. No length limit is applied here (see [`AudioError::TooLong`]).
 pub fn decode_mono_16k(bytes: &[u8]) -> Result<Vec<f32>, AudioError> {
     let (interleaved, channels, rate) = decode_interleaved(bytes)?;

@@ -37,6 +37,14 @@ fn s3_secret_key() -> String {
     std::env::var("TERN_S3_SECRET_KEY").unwrap_or_else(|_| "tern-dev-secret".into())
 }
 
+/// Model weights and test speech (`TERN_MODELS_DIR`, filled by scripts/models.sh).
+pub fn models_dir() -> PathBuf {
+    match std::env::var_os("TERN_MODELS_DIR") {
+        Some(dir) => dir.into(),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tern/models"),
+    }
+}
+
 /// Where `tern-api` and `tern-worker` are.
 pub fn bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("TERN_BIN_DIR") {
@@ -113,6 +121,8 @@ pub struct Cluster {
     pub database_url: String,
     pub redis_prefix: String,
     pub bucket: String,
+    /// This test's prefix of every object key in the shared bucket.
+    pub key_prefix: String,
     pub base_url: String,
     pub http: reqwest::Client,
     pub pg: PgPool,
@@ -134,11 +144,15 @@ impl Cluster {
         admin.close().await;
         let base = postgres_admin_url();
         let database_url = format!("{}/tern_test_{name}", base.rsplit_once('/').map_or(base.as_str(), |(b, _)| b));
-        let bucket = format!("tern-test-{name}");
+        // One bucket for every test: SeaweedFS gives each bucket volumes of its own, and a
+        // bucket per test would exhaust them. Each test gets a key prefix instead.
+        let bucket = "tern-test".to_string();
+        let key_prefix = format!("{name}/");
         let objects = ObjectStore::new(&ObjectStoreSettings {
             endpoint: Some(s3_endpoint()),
             region: "us-east-1".into(),
             bucket: bucket.clone(),
+            key_prefix: key_prefix.clone(),
             access_key: s3_access_key(),
             secret_key: s3_secret_key(),
             path_style: true,
@@ -154,6 +168,7 @@ impl Cluster {
             pg: PgPool::connect(&database_url).await.ok().unwrap_or(PgPool::connect_lazy(&database_url)?),
             database_url,
             bucket,
+            key_prefix,
             objects,
             api: None,
             api_env: api_env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
@@ -174,8 +189,10 @@ impl Cluster {
             ("TERN_REDIS_PREFIX", self.redis_prefix.clone()),
             ("TERN_S3_ENDPOINT", s3_endpoint()),
             ("TERN_S3_BUCKET", self.bucket.clone()),
+            ("TERN_S3_PREFIX", self.key_prefix.clone()),
             ("TERN_S3_ACCESS_KEY", s3_access_key()),
             ("TERN_S3_SECRET_KEY", s3_secret_key()),
+            ("TERN_MODELS_DIR", models_dir().display().to_string()),
             ("TERN_LOG", std::env::var("TERN_TEST_LOG").unwrap_or_else(|_| "info".into())),
         ];
         env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()

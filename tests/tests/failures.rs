@@ -73,7 +73,13 @@ async fn jobs_of_a_killed_worker_run_again_elsewhere_and_its_stale_tokens_are_re
 
     // The dead worker's leases can no longer settle anything.
     let store = Store::connect(&cluster.database_url, 2).await.unwrap();
-    let forged = JobOutput { key: "forged".into(), size: 0, sha256: "0".repeat(64), content_type: "text/plain".into() };
+    let forged = JobOutput {
+        key: "forged".into(),
+        size: 0,
+        sha256: "0".repeat(64),
+        content_type: "text/plain".into(),
+        formats: Default::default(),
+    };
     let settlements: Vec<Settlement> = stale
         .iter()
         .map(|(id, token)| Settlement { id: *id, token: *token, outcome: Outcome::Succeeded(forged.clone()) })

@@ -6,6 +6,7 @@ mod file_fetch;
 mod kinds;
 mod lease_keeper;
 mod runner;
+mod speech_engine;
 mod stop;
 
 use anyhow::Context;
@@ -51,8 +52,23 @@ struct Cli {
     /// Largest input file (bytes) a job may bring by URL or upload.
     #[arg(long, env = "TERN_MAX_FILE_BYTES", default_value_t = 512 * 1024 * 1024)]
     max_file_bytes: u64,
+    /// Folder of model weights (filled by scripts/models.sh).
+    #[arg(long, env = "TERN_MODELS_DIR", default_value = "~/.cache/tern/models")]
+    models_dir: String,
+    /// Whisper model for `transcribe` jobs: a CTranslate2 (faster-whisper) folder under the
+    /// models directory.
+    #[arg(long, env = "TERN_WHISPER_MODEL", default_value = "whisper-tiny.en")]
+    whisper_model: String,
     #[command(flatten)]
     services: ServiceArgs,
+}
+
+/// `~/x` -> `$HOME/x`, so the default works without a shell.
+fn expand_home(path: &str) -> std::path::PathBuf {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => std::path::PathBuf::from(home).join(rest),
+        _ => path.into(),
+    }
 }
 
 fn default_worker_id() -> String {
@@ -96,12 +112,16 @@ async fn main() -> anyhow::Result<()> {
             heartbeat: Duration::from_millis(cli.heartbeat_ms.max(10)),
             idle_poll_max: Duration::from_millis(cli.idle_poll_max_ms.max(1)),
             retry: cli.services.queue.retry_policy(),
+            max_audio_seconds: cli.services.max_audio_seconds,
         },
         store,
         queue,
         objects: objects.clone(),
         files: file_fetch::FileFetcher { objects, http: reqwest::Client::new(), max_bytes: cli.max_file_bytes },
         uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
+        speech: kinds.contains(&JobKind::Transcribe).then(|| {
+            Arc::new(speech_engine::SpeechEngine::start(expand_home(&cli.models_dir), cli.whisper_model.clone()))
+        }),
     });
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);

@@ -5,6 +5,7 @@
 use crate::file_fetch::FileFetcher;
 use crate::kinds::{self, Context, Execution};
 use crate::lease_keeper::{self, HeldJob};
+use crate::speech_engine::SpeechEngine;
 use crate::stop::{StopReason, StopSignal};
 use chrono::Utc;
 use std::sync::Arc;
@@ -29,6 +30,8 @@ pub struct RunnerSettings {
     /// Longest sleep between pulls while the queue is empty.
     pub idle_poll_max: Duration,
     pub retry: RetryPolicy,
+    /// Longest audio accepted, seconds.
+    pub max_audio_seconds: f64,
 }
 
 pub struct Runner {
@@ -39,6 +42,8 @@ pub struct Runner {
     pub files: FileFetcher,
     /// Bounds concurrent output uploads across the worker's loops.
     pub uploads: Semaphore,
+    /// The speech model's thread, when this worker runs transcriptions.
+    pub speech: Option<Arc<SpeechEngine>>,
 }
 
 impl Runner {
@@ -153,7 +158,14 @@ impl Runner {
 
     /// Runs one job to an outcome; `None` when its lease was lost (nothing may be reported).
     async fn attempt(&self, job: &Job, stop: &StopSignal) -> Option<Outcome> {
-        let ctx = Context { worker_id: &self.settings.worker_id, files: &self.files, stop };
+        let ctx = Context {
+            worker_id: &self.settings.worker_id,
+            files: &self.files,
+            stop,
+            queue: &self.queue,
+            speech: self.speech.as_deref(),
+            max_audio_seconds: self.settings.max_audio_seconds,
+        };
         let timeout = Duration::from_millis(job.timeout_ms.max(1) as u64);
         let execution = match tokio::time::timeout(timeout, kinds::execute(job, &ctx)).await {
             Ok(execution) => execution,
@@ -165,14 +177,25 @@ impl Runner {
             }
         };
         match execution {
-            Execution::Output { body, content_type, extension } => {
+            Execution::Output { body, content_type, extension, extras } => {
                 // The key carries the lease token: a stale attempt can never overwrite the
-                // object a newer attempt recorded.
-                let key = format!("outputs/{}.{}.{extension}", job.id, job.lease_token.unwrap_or_default());
+                // objects a newer attempt recorded.
+                let stem = format!("outputs/{}.{}", job.id, job.lease_token.unwrap_or_default());
                 let _permit = self.uploads.acquire().await.expect("never closed");
-                match self.objects.put(&key, body, content_type).await {
+                let stored = async {
+                    let mut output = self.objects.put(&format!("{stem}.{extension}"), body, content_type).await?;
+                    for extra in extras {
+                        let file = self.objects.put(&format!("{stem}.{}", extra.format), extra.body, extra.content_type).await?;
+                        output.formats.insert(extra.format.to_string(), file);
+                    }
+                    tern_jobs::Result::Ok(output)
+                };
+                match stored.await {
                     Ok(output) => Some(Outcome::Succeeded(output)),
-                    Err(e) => Some(Outcome::Retry(Failure::new("output_upload_failed", e.to_string()))),
+                    Err(e) => {
+                        let e: tern_jobs::Error = e;
+                        Some(Outcome::Retry(Failure::new("output_upload_failed", e.to_string())))
+                    }
                 }
             }
             Execution::Failed { failure, permanent: true } => Some(Outcome::Failed(failure)),

@@ -53,8 +53,16 @@ pub async fn job_view(state: &AppState, job: &Job, with_position: bool) -> Resul
         None
     };
     v["queue_position"] = json!(position);
+    if job.state == JobState::Running {
+        if let Some((done, total)) = state.queue.progress(job.kind, job.id).await? {
+            v["progress"] = json!({ "done": done, "total": total });
+        }
+    }
     if let Some(output) = &job.output {
         v["output"]["url"] = json!(state.objects.presign_get(&output.key).await?);
+        for (format, file) in &output.formats {
+            v["output"]["formats"][format]["url"] = json!(state.objects.presign_get(&file.key).await?);
+        }
     }
     Ok(v)
 }
@@ -128,7 +136,7 @@ pub async fn submit(
         return Ok((StatusCode::OK, Json(job_view(&state, &existing, true).await?)).into_response());
     }
     admit(&state, std::slice::from_ref(&job)).await?;
-    submission::store_inline_files(&mut job, &state.objects).await?;
+    submission::store_inline_files(&mut job, &state.objects, state.limits.max_audio_seconds).await?;
     let inserted = insert_and_enqueue(&state, std::slice::from_ref(&job)).await?;
     match inserted.first() {
         Some(created) => Ok((StatusCode::CREATED, Json(job_view(&state, created, false).await?)).into_response()),
@@ -173,7 +181,7 @@ pub async fn submit_batch(
     let mut fresh: Vec<NewJob> = jobs.into_iter().zip(&results).filter(|(_, r)| r.is_none()).map(|(j, _)| j).collect();
     admit(&state, &fresh).await?;
     for job in &mut fresh {
-        submission::store_inline_files(job, &state.objects).await?;
+        submission::store_inline_files(job, &state.objects, state.limits.max_audio_seconds).await?;
     }
     let mut inserted: HashMap<Uuid, Job> =
         insert_and_enqueue(&state, &fresh).await?.into_iter().map(|j| (j.id, j)).collect();

@@ -1,6 +1,6 @@
 -- Clear leases after Postgres recorded how their jobs ended, and requeue retries.
 -- KEYS[1] leases zset   KEYS[2] delayed zset   KEYS[3] meta hash   KEYS[4] lease tokens hash
--- KEYS[5] canceled set
+-- KEYS[5] canceled set   KEYS[6] progress hash
 -- ARGV per job 3 values: id, fencing token, action:
 --   'done'     finished for good: forget the job
 --   'at:<ms>'  due again at that time (a retry, or a released job with its time = now)
@@ -12,6 +12,7 @@ for i = 1, #ARGV, 3 do
     redis.call('ZREM', KEYS[1], id)
     redis.call('HDEL', KEYS[4], id)
   end
+  redis.call('HDEL', KEYS[6], id)
   if action == 'done' then
     redis.call('HDEL', KEYS[3], id)
     redis.call('SREM', KEYS[5], id)

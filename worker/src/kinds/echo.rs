@@ -49,5 +49,6 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         body: serde_json::to_vec(&output).expect("JSON values serialise").into(),
         content_type: "application/json",
         extension: "json",
+        extras: Vec::new(),
     }
 }

@@ -1,0 +1,88 @@
+//! `transcribe`: speech to text with Whisper. See `schemas/transcribe.input.json`.
+//!
+//! The audio is fetched, decoded and resampled off the async runtime, checked against the
+//! duration limit, then transcribed on the speech thread. Outputs: JSON (the primary output),
+//! SRT and VTT.
+
+use super::{Context, Execution, ExtraOutput};
+use serde_json::{json, Value};
+use tern_jobs::file_ref::FileRef;
+use tern_jobs::{Failure, Job};
+use tern_models::audio;
+use tern_models::whisper::{Task, TranscribeOptions};
+
+fn permanent(code: &str, message: impl Into<String>) -> Execution {
+    Execution::Failed { failure: Failure::new(code, message), permanent: true }
+}
+
+pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
+    let input = &job.input;
+    let Some(engine) = ctx.speech else {
+        return permanent("model_unavailable", "this worker has no speech model configured");
+    };
+    let file = match input.get("audio").map(FileRef::parse) {
+        Some(Ok(f)) => f,
+        Some(Err(e)) => return permanent(e.code(), e.to_string()),
+        None => return permanent("invalid_input", "input.audio is required"),
+    };
+    let bytes = match ctx.files.fetch(&file).await {
+        Ok(b) => b,
+        Err((failure, permanent)) => return Execution::Failed { failure, permanent },
+    };
+    let pcm = match tokio::task::spawn_blocking(move || audio::decode_mono_16k(&bytes)).await {
+        Ok(Ok(pcm)) => pcm,
+        Ok(Err(e)) => return permanent(e.code(), e.to_string()),
+        Err(e) => return Execution::Failed { failure: Failure::new("inference_failed", e.to_string()), permanent: false },
+    };
+    let duration = pcm.len() as f64 / f64::from(audio::SAMPLE_RATE);
+    if duration > ctx.max_audio_seconds {
+        return permanent(
+            "audio_too_long",
+            format!("the audio lasts {duration:.1} s; the limit is {:.0} s", ctx.max_audio_seconds),
+        );
+    }
+    if ctx.stop.reason().is_some() {
+        return Execution::Stopped;
+    }
+    let options = TranscribeOptions {
+        language: input.get("language").and_then(Value::as_str).map(str::to_string),
+        task: if input.get("task").and_then(Value::as_str) == Some("translate") { Task::Translate } else { Task::Transcribe },
+        timestamps: input.get("timestamps").and_then(Value::as_bool).unwrap_or(true),
+    };
+    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel();
+    let report = async {
+        while let Some((done, total)) = progress_rx.recv().await {
+            if let Err(e) = ctx.queue.set_progress(job.kind, job.id, done as u64, total as u64).await {
+                tracing::warn!(error = %e, "could not record progress");
+            }
+        }
+    };
+    let (transcript, ()) = tokio::join!(engine.transcribe(pcm, options, progress_tx), report);
+    let transcript = match transcript {
+        Ok(t) => t,
+        Err(e) => return Execution::Failed { failure: Failure::new(e.code(), e.to_string()), permanent: false },
+    };
+    if ctx.stop.reason().is_some() {
+        return Execution::Stopped;
+    }
+    let body = json!({
+        "text": transcript.text,
+        "language": transcript.language,
+        "duration": transcript.duration,
+        "model": engine.model_name,
+        "segments": transcript.segments,
+    });
+    Execution::Output {
+        body: serde_json::to_vec(&body).expect("JSON values serialise").into(),
+        content_type: "application/json",
+        extension: "json",
+        extras: vec![
+            ExtraOutput {
+                format: "srt",
+                body: super::subtitles::srt(&transcript.segments).into(),
+                content_type: "application/x-subrip",
+            },
+            ExtraOutput { format: "vtt", body: super::subtitles::vtt(&transcript.segments).into(), content_type: "text/vtt" },
+        ],
+    }
+}
