@@ -2,8 +2,9 @@
 //! applied on the CPU logits vector, and temperature fallback.
 
 use anyhow::Result;
-use candle_core::{IndexOp, Tensor};
-use candle_transformers::models::whisper::model::Whisper as Model;
+use candle_core::Tensor;
+
+use super::decoder::{CrossKv, Decoder};
 
 /// Special token ids and suppression lists, resolved once at load time.
 #[derive(Debug, Clone)]
@@ -162,18 +163,20 @@ fn pick(logits: &[f32], temperature: f64, rng: &mut Rng) -> u32 {
     pick(logits, 0.0, rng)
 }
 
-/// Decodes one window's encoder output at one temperature.
+/// Decodes one window at one temperature, feeding only the new token at each step after the
+/// prompt (self-attention cache) against the window's precomputed cross-attention keys/values.
 fn decode_once(
-    model: &mut Model,
-    audio_features: &Tensor,
+    decoder: &Decoder,
+    cross: &CrossKv,
     prompt: &[u32],
     sp: &Specials,
     timestamps: bool,
     temperature: f64,
     rng: &mut Rng,
 ) -> Result<Decoded> {
-    let device = audio_features.device().clone();
-    let max_ctx = model.config.max_target_positions;
+    let device = decoder.device().clone();
+    let max_ctx = decoder.max_positions();
+    let mut cache = decoder.new_cache();
     let mut tokens = prompt.to_vec();
     let mut sum_logprob = 0f64;
     let mut no_speech_prob = 0f64;
@@ -181,29 +184,19 @@ fn decode_once(
         if tokens.len() >= max_ctx {
             break;
         }
-        let input = Tensor::new(tokens.as_slice(), &device)?.unsqueeze(0)?;
-        // flush=true on the first step drops the previous window's cross-attention cache.
-        let ys = model.decoder.forward(&input, audio_features, i == 0)?;
+        let new = &tokens[cache.len()..];
+        let input = Tensor::new(new, &device)?.unsqueeze(0)?;
+        let ys = decoder.forward(&input, cross, &mut cache)?;
         let seq_len = ys.dim(1)?;
         if i == 0 {
             if let Some(ns) = sp.no_speech {
                 // OpenAI reads the no-speech probability at the SOT position.
                 let sot_pos = prompt.iter().position(|&t| t == sp.sot).unwrap_or(0);
-                let l: Vec<f32> = model
-                    .decoder
-                    .final_linear(&ys.i((..1, sot_pos..sot_pos + 1))?)?
-                    .i(0)?
-                    .i(0)?
-                    .to_vec1()?;
+                let l = decoder.logits_vecs(&ys, sot_pos)?.swap_remove(0);
                 no_speech_prob = (log_softmax(&l)[ns as usize] as f64).exp();
             }
         }
-        let mut logits: Vec<f32> = model
-            .decoder
-            .final_linear(&ys.i((..1, seq_len - 1..))?)?
-            .i(0)?
-            .i(0)?
-            .to_vec1()?;
+        let mut logits = decoder.logits_vecs(&ys, seq_len - 1)?.swap_remove(0);
         apply_rules(&mut logits, &tokens[prompt.len()..], sp, timestamps);
         let next = pick(&logits, temperature, rng);
         let lp = log_softmax(&logits)[next as usize] as f64;
@@ -236,8 +229,8 @@ fn repetition_ratio(tokens: &[u32]) -> f64 {
 /// Decodes a window, retrying at higher temperatures when the greedy result looks degenerate
 /// (average log-probability below -1 or a repetition loop), as OpenAI's `transcribe()` does.
 pub(crate) fn decode_with_fallback(
-    model: &mut Model,
-    audio_features: &Tensor,
+    decoder: &Decoder,
+    cross: &CrossKv,
     prompt: &[u32],
     sp: &Specials,
     timestamps: bool,
@@ -246,7 +239,7 @@ pub(crate) fn decode_with_fallback(
     let mut rng = Rng(seed | 1);
     let mut best: Option<Decoded> = None;
     for &t in TEMPERATURES.iter() {
-        let d = decode_once(model, audio_features, prompt, sp, timestamps, t, &mut rng)?;
+        let d = decode_once(decoder, cross, prompt, sp, timestamps, t, &mut rng)?;
         let needs_fallback = repetition_ratio(&d.tokens) > COMPRESSION_RATIO_THRESHOLD
             || d.avg_logprob < LOGPROB_THRESHOLD;
         // Silence: retrying only produces other hallucinations.

@@ -6,6 +6,7 @@
 
 mod ct2;
 mod decode;
+mod decoder;
 mod mel;
 
 use std::path::Path;
@@ -87,6 +88,8 @@ pub struct Transcript {
 /// decoder caches cross-attention keys/values per window. Load one per worker thread.
 pub struct Whisper {
     model: Model,
+    /// Our cached decoder (candle's re-runs the whole prefix each step); `model.decoder` unused.
+    decoder: decoder::Decoder,
     tokenizer: Tokenizer,
     specials: Specials,
     /// (token id, language code) for every language token, empty for `.en` models.
@@ -155,6 +158,8 @@ impl Whisper {
             .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
 
         let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
+        let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config)
+            .context("building the whisper decoder")?;
         let model = Model::load(&vb, config).context("building the whisper model")?;
 
         let no_timestamps = token(&tokenizer, m::NO_TIMESTAMPS_TOKEN)?;
@@ -193,6 +198,7 @@ impl Whisper {
         Ok(Whisper {
             filters: mel::mel_filters(model.config.num_mel_bins),
             model,
+            decoder,
             tokenizer,
             specials,
             languages,
@@ -206,17 +212,11 @@ impl Whisper {
     }
 
     /// Picks the most likely language token for an encoded window.
-    fn detect_language(&mut self, audio_features: &candle_core::Tensor) -> Result<(u32, String)> {
-        use candle_core::{IndexOp, Tensor};
-        let input = Tensor::new(&[self.specials.sot], &self.device)?.unsqueeze(0)?;
-        let ys = self.model.decoder.forward(&input, audio_features, true)?;
-        let logits: Vec<f32> = self
-            .model
-            .decoder
-            .final_linear(&ys.i((..1, 0..1))?)?
-            .i(0)?
-            .i(0)?
-            .to_vec1()?;
+    fn detect_language(&self, cross: &decoder::CrossKv) -> Result<(u32, String)> {
+        let input = candle_core::Tensor::new(&[self.specials.sot], &self.device)?.unsqueeze(0)?;
+        let mut cache = self.decoder.new_cache();
+        let ys = self.decoder.forward(&input, cross, &mut cache)?;
+        let logits = self.decoder.logits_vecs(&ys, 0)?.swap_remove(0);
         self.languages
             .iter()
             .max_by(|a, b| logits[a.0 as usize].total_cmp(&logits[b.0 as usize]))
@@ -269,8 +269,9 @@ impl Whisper {
 
             let mel = mel::window_mel(&self.model.config, &self.filters, window, &self.device)?;
             let audio_features = self.model.encoder.forward(&mel, true)?;
+            let cross = self.decoder.cross_kv(&audio_features)?;
             if language.is_none() {
-                let (id, code) = self.detect_language(&audio_features)?;
+                let (id, code) = self.detect_language(&cross)?;
                 language = Some((Some(id), code));
             }
             let (lang_token, _) = language.as_ref().expect("set above");
@@ -288,8 +289,8 @@ impl Whisper {
                 prompt.push(self.specials.no_timestamps);
             }
             let decoded = decode::decode_with_fallback(
-                &mut self.model,
-                &audio_features,
+                &self.decoder,
+                &cross,
                 &prompt,
                 &self.specials,
                 opts.timestamps,

@@ -1,0 +1,264 @@
+//! Whisper text decoder with a self-attention key/value cache and cross-attention keys/values
+//! computed once per window.
+//!
+//! candle-transformers' `TextDecoder` re-runs the whole token prefix at every step and re-scales
+//! the cached cross-attention keys each time; this one feeds only the new tokens after the prompt
+//! step. The math follows candle's `whisper::model` (itself OpenAI's `model.py`): queries and keys
+//! are both scaled by `head_dim^-0.25`, layer norms use eps 1e-5, and logits come from the tied
+//! token embedding.
+
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
+use candle_nn::{LayerNorm, Linear, VarBuilder};
+use candle_transformers::models::whisper::Config;
+
+fn linear(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
+    candle_nn::linear(d_in, d_out, vb)
+}
+
+fn linear_no_bias(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
+    candle_nn::linear_no_bias(d_in, d_out, vb)
+}
+
+fn layer_norm(size: usize, vb: VarBuilder) -> Result<LayerNorm> {
+    let weight = vb.get(size, "weight")?;
+    let bias = vb.get(size, "bias")?;
+    Ok(LayerNorm::new(weight, bias, 1e-5))
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    out: Linear,
+}
+
+impl Attention {
+    fn load(n_state: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Attention {
+            q: linear(n_state, n_state, vb.pp("q_proj"))?,
+            k: linear_no_bias(n_state, n_state, vb.pp("k_proj"))?,
+            v: linear(n_state, n_state, vb.pp("v_proj"))?,
+            out: linear(n_state, n_state, vb.pp("out_proj"))?,
+        })
+    }
+}
+
+struct Layer {
+    self_attn: Attention,
+    self_ln: LayerNorm,
+    cross_attn: Attention,
+    cross_ln: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
+    mlp_ln: LayerNorm,
+}
+
+/// Cross-attention keys (scaled, laid out `(batch, head, head_dim, frames)`) and values
+/// (`(batch, head, frames, head_dim)`) of every layer for one batch of encoded windows.
+pub(crate) struct CrossKv {
+    layers: Vec<(Tensor, Tensor)>,
+}
+
+/// Self-attention keys (scaled) and values of the tokens fed so far, per layer, each
+/// `(batch, head, len, head_dim)`.
+pub(crate) struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// Number of token positions already in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The text decoder of a Whisper model.
+pub(crate) struct Decoder {
+    /// `(vocab, d_model)`, also the output projection.
+    embed_tokens: Tensor,
+    /// `(max_target_positions, d_model)`.
+    embed_positions: Tensor,
+    layers: Vec<Layer>,
+    ln: LayerNorm,
+    n_head: usize,
+    head_dim: usize,
+    /// `head_dim^-0.25`, applied to both queries and keys.
+    scale: f64,
+}
+
+impl Decoder {
+    /// Loads from a `model.decoder` VarBuilder (the HF / candle tensor names).
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+        let n_state = cfg.d_model;
+        let n_head = cfg.decoder_attention_heads;
+        let embed_tokens = vb.get((cfg.vocab_size, n_state), "embed_tokens.weight")?;
+        let embed_positions = vb.get(
+            (cfg.max_target_positions, n_state),
+            "embed_positions.weight",
+        )?;
+        let layers = (0..cfg.decoder_layers)
+            .map(|i| {
+                let vb = vb.pp(format!("layers.{i}"));
+                Ok(Layer {
+                    self_attn: Attention::load(n_state, vb.pp("self_attn"))?,
+                    self_ln: layer_norm(n_state, vb.pp("self_attn_layer_norm"))?,
+                    cross_attn: Attention::load(n_state, vb.pp("encoder_attn"))?,
+                    cross_ln: layer_norm(n_state, vb.pp("encoder_attn_layer_norm"))?,
+                    fc1: linear(n_state, 4 * n_state, vb.pp("fc1"))?,
+                    fc2: linear(4 * n_state, n_state, vb.pp("fc2"))?,
+                    mlp_ln: layer_norm(n_state, vb.pp("final_layer_norm"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ln = layer_norm(n_state, vb.pp("layer_norm"))?;
+        let head_dim = n_state / n_head;
+        Ok(Decoder {
+            embed_tokens,
+            embed_positions,
+            layers,
+            ln,
+            n_head,
+            head_dim,
+            scale: (head_dim as f64).powf(-0.25),
+        })
+    }
+
+    /// Device the weights live on.
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
+    }
+
+    /// Maximum number of token positions.
+    pub fn max_positions(&self) -> usize {
+        self.embed_positions.dim(0).unwrap_or(0)
+    }
+
+    /// `(batch, len, d_model)` -> `(batch, head, len, head_dim)`, contiguous.
+    fn heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        x.reshape((b, t, self.n_head, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    /// Computes every layer's cross-attention keys and values from encoder output
+    /// `(batch, frames, d_model)`; reuse the result for all decoding steps of those windows.
+    pub fn cross_kv(&self, audio_features: &Tensor) -> Result<CrossKv> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let k = (self.heads(&l.cross_attn.k.forward(audio_features)?)? * self.scale)?
+                    .transpose(2, 3)?
+                    .contiguous()?;
+                let v = self.heads(&l.cross_attn.v.forward(audio_features)?)?;
+                Ok((k, v))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CrossKv { layers })
+    }
+
+    /// An empty self-attention cache.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            layers: vec![None; self.layers.len()],
+            len: 0,
+        }
+    }
+
+    /// Runs `tokens` (`(batch, len)` u32, positions following those already in `cache`) through
+    /// the decoder, appending their keys/values to `cache`. Returns the final-layer-normed hidden
+    /// states `(batch, len, d_model)`.
+    pub fn forward(&self, tokens: &Tensor, cross: &CrossKv, cache: &mut KvCache) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        let offset = cache.len;
+        let device = tokens.device();
+        let emb = self
+            .embed_tokens
+            .index_select(&tokens.flatten_all()?, 0)?
+            .reshape((b, t, ()))?;
+        let pos = self.embed_positions.narrow(0, offset, t)?;
+        let mut x = emb.broadcast_add(&pos)?;
+        // Causal mask, needed only when several tokens are fed at once.
+        let mask = if t > 1 {
+            let total = offset + t;
+            let m: Vec<f32> = (0..t)
+                .flat_map(|i| {
+                    (0..total).map(move |j| {
+                        if j > offset + i {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            Some(Tensor::from_vec(m, (t, total), device)?)
+        } else {
+            None
+        };
+        for ((layer, kv), (ck, cv)) in self
+            .layers
+            .iter()
+            .zip(cache.layers.iter_mut())
+            .zip(cross.layers.iter())
+        {
+            // Self-attention over cache + new tokens.
+            let h = layer.self_ln.forward(&x)?;
+            let a = &layer.self_attn;
+            let q = (self.heads(&a.q.forward(&h)?)? * self.scale)?;
+            let k_new = (self.heads(&a.k.forward(&h)?)? * self.scale)?;
+            let v_new = self.heads(&a.v.forward(&h)?)?;
+            let (k, v) = match kv.take() {
+                Some((k, v)) => (
+                    Tensor::cat(&[&k, &k_new], 2)?,
+                    Tensor::cat(&[&v, &v_new], 2)?,
+                ),
+                None => (k_new, v_new),
+            };
+            let mut qk = q.matmul(&k.t()?)?;
+            if let Some(mask) = &mask {
+                qk = qk.broadcast_add(mask)?;
+            }
+            let w = candle_nn::ops::softmax_last_dim(&qk)?;
+            let o = self.merge(&w.matmul(&v)?)?;
+            *kv = Some((k, v));
+            x = (x + a.out.forward(&o)?)?;
+
+            // Cross-attention over the window's encoder output.
+            let h = layer.cross_ln.forward(&x)?;
+            let a = &layer.cross_attn;
+            let q = (self.heads(&a.q.forward(&h)?)? * self.scale)?;
+            let w = candle_nn::ops::softmax_last_dim(&q.matmul(ck)?)?;
+            let o = self.merge(&w.matmul(cv)?)?;
+            x = (x + a.out.forward(&o)?)?;
+
+            // MLP.
+            let h = layer.mlp_ln.forward(&x)?;
+            let h = layer.fc2.forward(&layer.fc1.forward(&h)?.gelu()?)?;
+            x = (x + h)?;
+        }
+        cache.len += t;
+        self.ln.forward(&x)
+    }
+
+    /// `(batch, head, len, head_dim)` -> `(batch, len, d_model)`, contiguous.
+    fn merge(&self, x: &Tensor) -> Result<Tensor> {
+        x.transpose(1, 2)?.flatten_from(2)?.contiguous()
+    }
+
+    /// Logits `(batch, vocab)` for position `pos` of hidden states `(batch, len, d_model)`.
+    pub fn logits_at(&self, hidden: &Tensor, pos: usize) -> Result<Tensor> {
+        let h = hidden.i((.., pos, ..))?.contiguous()?;
+        h.matmul(&self.embed_tokens.t()?)
+    }
+
+    /// Logits rows as CPU vectors.
+    pub fn logits_vecs(&self, hidden: &Tensor, pos: usize) -> Result<Vec<Vec<f32>>> {
+        self.logits_at(hidden, pos)?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec2()
+    }
+}
