@@ -163,56 +163,83 @@ fn pick(logits: &[f32], temperature: f64, rng: &mut Rng) -> u32 {
     pick(logits, 0.0, rng)
 }
 
-/// Decodes one window at one temperature, feeding only the new token at each step after the
-/// prompt (self-attention cache) against the window's precomputed cross-attention keys/values.
-fn decode_once(
+/// Decodes a batch of windows (one row of `cross` each, all with the same prompt) at one
+/// temperature, feeding only the new token per row at each step after the prompt
+/// (self-attention cache). Each row stops at its own EOT; finished rows are fed EOT until all
+/// are done and their outputs ignored.
+fn decode_batch(
     decoder: &Decoder,
     cross: &CrossKv,
     prompt: &[u32],
     sp: &Specials,
     timestamps: bool,
     temperature: f64,
-    rng: &mut Rng,
-) -> Result<Decoded> {
+    rngs: &mut [Rng],
+) -> Result<Vec<Decoded>> {
     let device = decoder.device().clone();
     let max_ctx = decoder.max_positions();
+    let batch = rngs.len();
     let mut cache = decoder.new_cache();
-    let mut tokens = prompt.to_vec();
-    let mut sum_logprob = 0f64;
-    let mut no_speech_prob = 0f64;
+    let mut tokens: Vec<Vec<u32>> = vec![prompt.to_vec(); batch];
+    let mut done = vec![false; batch];
+    let mut sum_logprob = vec![0f64; batch];
+    let mut no_speech_prob = vec![0f64; batch];
     for i in 0..SAMPLE_LEN {
-        if tokens.len() >= max_ctx {
+        if prompt.len() + i >= max_ctx || done.iter().all(|&d| d) {
             break;
         }
-        let new = &tokens[cache.len()..];
-        let input = Tensor::new(new, &device)?.unsqueeze(0)?;
+        let pos = cache.len();
+        let new: Vec<u32> = tokens
+            .iter()
+            .flat_map(|t| t[pos..].iter().copied())
+            .collect();
+        let new_len = new.len() / batch;
+        let input = Tensor::from_vec(new, (batch, new_len), &device)?;
         let ys = decoder.forward(&input, cross, &mut cache)?;
-        let seq_len = ys.dim(1)?;
         if i == 0 {
             if let Some(ns) = sp.no_speech {
                 // OpenAI reads the no-speech probability at the SOT position.
                 let sot_pos = prompt.iter().position(|&t| t == sp.sot).unwrap_or(0);
-                let l = decoder.logits_vecs(&ys, sot_pos)?.swap_remove(0);
-                no_speech_prob = (log_softmax(&l)[ns as usize] as f64).exp();
+                for (b, l) in decoder.logits_vecs(&ys, sot_pos)?.iter().enumerate() {
+                    no_speech_prob[b] = (log_softmax(l)[ns as usize] as f64).exp();
+                }
             }
         }
-        let mut logits = decoder.logits_vecs(&ys, seq_len - 1)?.swap_remove(0);
-        apply_rules(&mut logits, &tokens[prompt.len()..], sp, timestamps);
-        let next = pick(&logits, temperature, rng);
-        let lp = log_softmax(&logits)[next as usize] as f64;
-        if next == sp.eot {
-            break;
+        let rows = decoder.logits_vecs(&ys, new_len - 1)?;
+        for (b, mut logits) in rows.into_iter().enumerate() {
+            if done[b] {
+                // Keeps this row's cache length in step with the others.
+                tokens[b].push(sp.eot);
+                continue;
+            }
+            apply_rules(&mut logits, &tokens[b][prompt.len()..], sp, timestamps);
+            let next = pick(&logits, temperature, &mut rngs[b]);
+            let lp = log_softmax(&logits)[next as usize] as f64;
+            if next == sp.eot {
+                done[b] = true;
+                tokens[b].push(sp.eot);
+                continue;
+            }
+            sum_logprob[b] += lp;
+            tokens[b].push(next);
         }
-        sum_logprob += lp;
-        tokens.push(next);
     }
-    let sampled = tokens[prompt.len()..].to_vec();
-    let avg_logprob = sum_logprob / (sampled.len().max(1)) as f64;
-    Ok(Decoded {
-        tokens: sampled,
-        avg_logprob,
-        no_speech_prob,
-    })
+    Ok(tokens
+        .into_iter()
+        .enumerate()
+        .map(|(b, t)| {
+            let sampled: Vec<u32> = t[prompt.len()..]
+                .iter()
+                .copied()
+                .take_while(|&x| x != sp.eot)
+                .collect();
+            Decoded {
+                avg_logprob: sum_logprob[b] / (sampled.len().max(1)) as f64,
+                tokens: sampled,
+                no_speech_prob: no_speech_prob[b],
+            }
+        })
+        .collect())
 }
 
 /// Crude stand-in for OpenAI's gzip compression ratio, to catch repetition loops without a
@@ -226,31 +253,52 @@ fn repetition_ratio(tokens: &[u32]) -> f64 {
     tokens.len() as f64 / (grams.len() + 2) as f64
 }
 
-/// Decodes a window, retrying at higher temperatures when the greedy result looks degenerate
-/// (average log-probability below -1 or a repetition loop), as OpenAI's `transcribe()` does.
+fn needs_fallback(d: &Decoded) -> bool {
+    let degenerate = repetition_ratio(&d.tokens) > COMPRESSION_RATIO_THRESHOLD
+        || d.avg_logprob < LOGPROB_THRESHOLD;
+    // Silence: retrying only produces other hallucinations.
+    degenerate && d.no_speech_prob <= NO_SPEECH_THRESHOLD
+}
+
+/// Decodes a batch of windows (rows of `cross`; `seeds` one per row): greedily all together,
+/// then, one window at a time, retries at higher temperatures those whose greedy result looks
+/// degenerate (average log-probability below -1 or a repetition loop), as OpenAI's
+/// `transcribe()` does.
 pub(crate) fn decode_with_fallback(
     decoder: &Decoder,
     cross: &CrossKv,
     prompt: &[u32],
     sp: &Specials,
     timestamps: bool,
-    seed: u64,
-) -> Result<Decoded> {
-    let mut rng = Rng(seed | 1);
-    let mut best: Option<Decoded> = None;
-    for &t in TEMPERATURES.iter() {
-        let d = decode_once(decoder, cross, prompt, sp, timestamps, t, &mut rng)?;
-        let needs_fallback = repetition_ratio(&d.tokens) > COMPRESSION_RATIO_THRESHOLD
-            || d.avg_logprob < LOGPROB_THRESHOLD;
-        // Silence: retrying only produces other hallucinations.
-        if !needs_fallback || d.no_speech_prob > NO_SPEECH_THRESHOLD {
-            return Ok(d);
+    seeds: &[u64],
+) -> Result<Vec<Decoded>> {
+    let mut rngs: Vec<Rng> = seeds.iter().map(|&s| Rng(s | 1)).collect();
+    let greedy = decode_batch(decoder, cross, prompt, sp, timestamps, 0.0, &mut rngs)?;
+    let mut out = Vec::with_capacity(greedy.len());
+    for (b, d) in greedy.into_iter().enumerate() {
+        if !needs_fallback(&d) {
+            out.push(d);
+            continue;
         }
-        if best.as_ref().is_none_or(|b| d.avg_logprob > b.avg_logprob) {
-            best = Some(d);
+        let row = cross.row(b)?;
+        let rng = &mut rngs[b..b + 1];
+        let mut best = d;
+        let mut accepted = None;
+        for &t in TEMPERATURES[1..].iter() {
+            let d = decode_batch(decoder, &row, prompt, sp, timestamps, t, rng)?
+                .pop()
+                .expect("one row");
+            if !needs_fallback(&d) {
+                accepted = Some(d);
+                break;
+            }
+            if d.avg_logprob > best.avg_logprob {
+                best = d;
+            }
         }
+        out.push(accepted.unwrap_or(best));
     }
-    Ok(best.expect("TEMPERATURES is not empty"))
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -59,6 +59,18 @@ pub(crate) struct CrossKv {
     layers: Vec<(Tensor, Tensor)>,
 }
 
+impl CrossKv {
+    /// The keys/values of batch row `b` alone.
+    pub fn row(&self, b: usize) -> Result<CrossKv> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| Ok((k.narrow(0, b, 1)?, v.narrow(0, b, 1)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CrossKv { layers })
+    }
+}
+
 /// Self-attention keys (scaled) and values of the tokens fed so far, per layer, each
 /// `(batch, head, len, head_dim)`.
 pub(crate) struct KvCache {

@@ -21,6 +21,9 @@ use decode::Specials;
 
 /// Length of one Whisper window in seconds: every window costs a full encoder pass.
 const WINDOW_SECONDS: f64 = m::CHUNK_LENGTH as f64;
+/// Windows encoded and decoded together (bounds memory: ~20 MB of cross-attention keys/values
+/// per window for tiny, more for larger models).
+const DECODE_BATCH: usize = 8;
 /// Seconds per timestamp token.
 const TIMESTAMP_STEP: f64 = 0.02;
 
@@ -228,9 +231,10 @@ impl Whisper {
     ///
     /// Audio is cut into consecutive 30 s windows (a word straddling a cut may be split or
     /// garbled); segment times are offset by the window start and clamped to the audio length.
-    /// `progress(done_windows, total_windows)` is called after each window; `total_windows` is
-    /// [`windows_for`] of the duration. Greedy decoding, at most 224 tokens per window, with
-    /// OpenAI's temperature fallback (0.2 ... 1.0) for windows that decode badly; windows judged
+    /// `progress(done_windows, total_windows)` is called once per window, in order; `total_windows`
+    /// is [`windows_for`] of the duration. Up to 8 windows are encoded and decoded as one batch
+    /// (one read of the decoder weights per step for all of them), so calls come in bursts.
+    /// Greedy decoding, at most 224 tokens per window, with OpenAI's temperature fallback (0.2 ... 1.0) for windows that decode badly; windows judged
     /// silent (no-speech probability > 0.6 and low confidence) yield no segments.
     pub fn transcribe(
         &mut self,
@@ -260,18 +264,32 @@ impl Whisper {
         };
 
         let mut segments = Vec::new();
-        for w in 0..total {
-            let start = w * m::N_SAMPLES;
-            let end = (start + m::N_SAMPLES).min(pcm.len());
-            let window = &pcm[start.min(pcm.len())..end];
-            let offset = start as f64 / sr as f64;
-            let window_end = end as f64 / sr as f64;
-
-            let mel = mel::window_mel(&self.model.config, &self.filters, window, &self.device)?;
-            let audio_features = self.model.encoder.forward(&mel, true)?;
-            let cross = self.decoder.cross_kv(&audio_features)?;
+        let bounds = |w: usize| {
+            let start = (w * m::N_SAMPLES).min(pcm.len());
+            (start, (start + m::N_SAMPLES).min(pcm.len()))
+        };
+        let mut first = 0;
+        while first < total {
+            // Several windows are decoded together: every step then reads the decoder weights
+            // once for the whole batch.
+            let last = (first + DECODE_BATCH).min(total);
+            let mut features = Vec::with_capacity(last - first);
+            for w in first..last {
+                let (start, end) = bounds(w);
+                let mel = mel::window_mel(
+                    &self.model.config,
+                    &self.filters,
+                    &pcm[start..end],
+                    &self.device,
+                )?;
+                features.push(self.model.encoder.forward(&mel, true)?);
+            }
+            let cross = self
+                .decoder
+                .cross_kv(&candle_core::Tensor::cat(&features, 0)?)?;
+            drop(features);
             if language.is_none() {
-                let (id, code) = self.detect_language(&cross)?;
+                let (id, code) = self.detect_language(&cross.row(0)?)?;
                 language = Some((Some(id), code));
             }
             let (lang_token, _) = language.as_ref().expect("set above");
@@ -288,18 +306,24 @@ impl Whisper {
             if !opts.timestamps {
                 prompt.push(self.specials.no_timestamps);
             }
+            let seeds: Vec<u64> = (first..last).map(|w| w as u64 + 1).collect();
             let decoded = decode::decode_with_fallback(
                 &self.decoder,
                 &cross,
                 &prompt,
                 &self.specials,
                 opts.timestamps,
-                w as u64 + 1,
+                &seeds,
             )?;
-            if !decoded.is_silence() {
-                self.segments_of(&decoded.tokens, offset, window_end, &mut segments)?;
+            for (w, d) in (first..last).zip(decoded) {
+                let (_, end) = bounds(w);
+                if !d.is_silence() {
+                    let offset = (w * m::N_SAMPLES) as f64 / sr as f64;
+                    self.segments_of(&d.tokens, offset, end as f64 / sr as f64, &mut segments)?;
+                }
+                progress(w + 1, total);
             }
-            progress(w + 1, total);
+            first = last;
         }
         let text = segments
             .iter()
