@@ -234,8 +234,9 @@ impl Whisper {
     /// `progress(done_windows, total_windows)` is called once per window, in order; `total_windows`
     /// is [`windows_for`] of the duration. Up to 8 windows are encoded and decoded as one batch
     /// (one read of the decoder weights per step for all of them), so calls come in bursts.
-    /// Greedy decoding, at most 224 tokens per window, with OpenAI's temperature fallback (0.2 ... 1.0) for windows that decode badly; windows judged
-    /// silent (no-speech probability > 0.6 and low confidence) yield no segments.
+    /// Greedy decoding, at most 224 tokens per window, with OpenAI's temperature fallback
+    /// (0.2 ... 1.0) for windows that decode badly; windows judged silent (no-speech probability
+    /// > 0.6 and low confidence) yield no segments.
     pub fn transcribe(
         &mut self,
         pcm: &[f32],
