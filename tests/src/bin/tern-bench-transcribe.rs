@@ -1,0 +1,128 @@
+//! `tern-bench-transcribe`: transcription throughput through the whole service (API, queue,
+//! worker, Whisper on candle, S3), in audio seconds transcribed per wall-clock second.
+//!
+//! Two workloads, each at several worker batch budgets (`TERN_BATCH_BUDGET`, in 30 s windows):
+//! - short: `--clips` LibriVox clips of 3-7 s, submitted together;
+//! - long: one recording of about `--long-seconds` seconds, built from the clips with pauses.
+//! The clock runs from the submit to the last job's success; the worker is started (and its
+//! model loaded by a warm-up job) before the clock starts.
+
+use anyhow::{Context, Result};
+use base64::Engine;
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use tern_e2e::Cluster;
+
+#[derive(Parser, Debug)]
+#[command(name = "tern-bench-transcribe", version, about = "Measure transcription throughput through tern")]
+struct Args {
+    /// Short clips per run.
+    #[arg(long, default_value_t = 20)]
+    clips: usize,
+    /// Length of the long recording, seconds.
+    #[arg(long, default_value_t = 120.0)]
+    long_seconds: f64,
+    /// Worker batch budgets to measure, in 30 s windows, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+    budgets: Vec<u32>,
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn wav(samples: &[f32]) -> Vec<u8> {
+    let data_len = (samples.len() * 2) as u32;
+    let mut out = Vec::with_capacity(44 + data_len as usize);
+    out.extend_from_slice(b"RIFF");
+    out.extend_from_slice(&(36 + data_len).to_le_bytes());
+    out.extend_from_slice(b"WAVEfmt ");
+    for v in [16u32.to_le_bytes().to_vec(), 1u16.to_le_bytes().to_vec(), 1u16.to_le_bytes().to_vec(),
+              16_000u32.to_le_bytes().to_vec(), 32_000u32.to_le_bytes().to_vec(), 2u16.to_le_bytes().to_vec(),
+              16u16.to_le_bytes().to_vec()] {
+        out.extend_from_slice(&v);
+    }
+    out.extend_from_slice(b"data");
+    out.extend_from_slice(&data_len.to_le_bytes());
+    for s in samples {
+        out.extend_from_slice(&((s.clamp(-1.0, 1.0) * 32767.0) as i16).to_le_bytes());
+    }
+    out
+}
+
+/// Submits the jobs, waits until all succeeded; returns seconds.
+async fn run(cluster: &Cluster, jobs: &[Value], what: &str) -> Result<f64> {
+    let pb = ProgressBar::new(jobs.len() as u64);
+    pb.set_style(ProgressStyle::with_template("{msg:>24} [{bar:30}] {pos}/{len} {elapsed}")?.progress_chars("=> "));
+    pb.set_message(what.to_string());
+    let start = Instant::now();
+    let ids = cluster.submit_all(jobs).await?;
+    loop {
+        let done: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE id = ANY($1) AND state IN ('succeeded', 'failed', 'canceled')")
+            .bind(&ids)
+            .fetch_one(&cluster.pg)
+            .await?;
+        pb.set_position(done as u64);
+        if done as usize == ids.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    pb.finish_and_clear();
+    let failed: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE id = ANY($1) AND state <> 'succeeded'")
+        .bind(&ids)
+        .fetch_one(&cluster.pg)
+        .await?;
+    anyhow::ensure!(failed == 0, "{failed} jobs did not succeed");
+    Ok(secs)
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let dir = tern_e2e::models_dir().join("testdata/librivox");
+    let mut clips: Vec<Vec<u8>> = Vec::new();
+    for entry in std::fs::read_dir(&dir).context("test speech missing: run scripts/models.sh")? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "wav") {
+            clips.push(std::fs::read(&path)?);
+        }
+    }
+    clips.sort();
+    let pcm: Vec<Vec<f32>> = clips.iter().map(|c| tern_models::audio::decode_mono_16k(c)).collect::<Result<_, _>>()?;
+    let short: Vec<usize> = (0..args.clips).map(|i| i % clips.len()).collect();
+    let short_seconds: f64 = short.iter().map(|i| pcm[*i].len() as f64 / 16_000.0).sum();
+    let mut long = Vec::new();
+    for p in pcm.iter().cycle() {
+        if long.len() as f64 / 16_000.0 >= args.long_seconds {
+            break;
+        }
+        long.extend_from_slice(p);
+        long.extend(std::iter::repeat_n(0.0f32, 8_000));
+    }
+    let long_seconds = long.len() as f64 / 16_000.0;
+    let long_wav = wav(&long);
+    println!(
+        "tern-bench-transcribe: whisper-tiny.en, {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording",
+        args.clips
+    );
+    println!("{:>14} {:>22} {:>22}", "batch budget", "short clips audio-s/s", "long file audio-s/s");
+    for budget in &args.budgets {
+        let mut cluster = Cluster::start(&[("TERN_LOG", "warn")]).await?;
+        let budget_s = budget.to_string();
+        let _worker = cluster.spawn_worker(&[("TERN_LOG", "warn"), ("TERN_BATCH_BUDGET", &budget_s), ("TERN_WORKER_KINDS", "transcribe")])?;
+        // Warm-up: the model loads on its first job.
+        run(&cluster, &[json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&clips[0])}}})], "warm-up").await?;
+        let jobs: Vec<Value> = short
+            .iter()
+            .map(|i| json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&clips[*i])}}}))
+            .collect();
+        let short_secs = run(&cluster, &jobs, "short clips").await?;
+        let long_secs = run(&cluster, &[json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&long_wav)}}})], "long file").await?;
+        println!("{:>14} {:>22.2} {:>22.2}", budget, short_seconds / short_secs, long_seconds / long_secs);
+    }
+    Ok(())
+}
