@@ -52,28 +52,6 @@ fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
-/// A 16 kHz mono 16-bit WAV of `samples`.
-fn wav(samples: &[f32]) -> Vec<u8> {
-    let data_len = (samples.len() * 2) as u32;
-    let mut out = Vec::with_capacity(44 + data_len as usize);
-    out.extend_from_slice(b"RIFF");
-    out.extend_from_slice(&(36 + data_len).to_le_bytes());
-    out.extend_from_slice(b"WAVEfmt ");
-    out.extend_from_slice(&16u32.to_le_bytes());
-    out.extend_from_slice(&1u16.to_le_bytes()); // PCM
-    out.extend_from_slice(&1u16.to_le_bytes()); // mono
-    out.extend_from_slice(&16_000u32.to_le_bytes());
-    out.extend_from_slice(&32_000u32.to_le_bytes());
-    out.extend_from_slice(&2u16.to_le_bytes());
-    out.extend_from_slice(&16u16.to_le_bytes());
-    out.extend_from_slice(b"data");
-    out.extend_from_slice(&data_len.to_le_bytes());
-    for s in samples {
-        out.extend_from_slice(&((s.clamp(-1.0, 1.0) * 32767.0) as i16).to_le_bytes());
-    }
-    out
-}
-
 async fn output_json(cluster: &Cluster, id: Uuid) -> (Value, Value) {
     let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
     assert_eq!(job["state"], "succeeded", "{job}");
@@ -131,7 +109,7 @@ async fn long_audio_costs_its_windows_and_is_stitched_in_order() {
     }
     let seconds = pcm.len() as f64 / 16_000.0;
     let (status, job) = cluster
-        .post("/v1/jobs", &json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&wav(&pcm))}}}))
+        .post("/v1/jobs", &json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&tern_e2e::wav_16k_mono(&pcm))}}}))
         .await
         .unwrap();
     assert_eq!(status, 201, "{job}");
@@ -157,7 +135,7 @@ async fn bad_audio_fails_with_stable_codes_and_the_worker_keeps_serving() {
     let long = std::fs::read(&clips()[0].0).unwrap(); // over 4 s
     let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
         ("garbage", b"this is not audio at all, not even close".repeat(50), 422, "audio_unreadable"),
-        ("empty", wav(&[]), 422, "audio_empty"),
+        ("empty", tern_e2e::wav_16k_mono(&[]), 422, "audio_empty"),
         ("over the limit", long.clone(), 413, "audio_too_long"),
     ];
     for (what, bytes, status, code) in &cases {

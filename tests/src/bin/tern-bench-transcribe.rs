@@ -4,6 +4,7 @@
 //! Two workloads, each at several worker batch budgets (`TERN_BATCH_BUDGET`, in 30 s windows):
 //! - short: `--clips` LibriVox clips of 3-7 s, submitted together;
 //! - long: one recording of about `--long-seconds` seconds, built from the clips with pauses.
+//!
 //! The clock runs from the submit to the last job's success; the worker is started (and its
 //! model loaded by a warm-up job) before the clock starts.
 
@@ -31,25 +32,6 @@ struct Args {
 
 fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
-fn wav(samples: &[f32]) -> Vec<u8> {
-    let data_len = (samples.len() * 2) as u32;
-    let mut out = Vec::with_capacity(44 + data_len as usize);
-    out.extend_from_slice(b"RIFF");
-    out.extend_from_slice(&(36 + data_len).to_le_bytes());
-    out.extend_from_slice(b"WAVEfmt ");
-    for v in [16u32.to_le_bytes().to_vec(), 1u16.to_le_bytes().to_vec(), 1u16.to_le_bytes().to_vec(),
-              16_000u32.to_le_bytes().to_vec(), 32_000u32.to_le_bytes().to_vec(), 2u16.to_le_bytes().to_vec(),
-              16u16.to_le_bytes().to_vec()] {
-        out.extend_from_slice(&v);
-    }
-    out.extend_from_slice(b"data");
-    out.extend_from_slice(&data_len.to_le_bytes());
-    for s in samples {
-        out.extend_from_slice(&((s.clamp(-1.0, 1.0) * 32767.0) as i16).to_le_bytes());
-    }
-    out
 }
 
 /// Submits the jobs, waits until all succeeded; returns seconds.
@@ -104,7 +86,7 @@ async fn main() -> Result<()> {
         long.extend(std::iter::repeat_n(0.0f32, 8_000));
     }
     let long_seconds = long.len() as f64 / 16_000.0;
-    let long_wav = wav(&long);
+    let long_wav = tern_e2e::wav_16k_mono(&long);
     println!(
         "tern-bench-transcribe: whisper-tiny.en, {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording",
         args.clips
