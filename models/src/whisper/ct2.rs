@@ -192,6 +192,39 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
         Ok(())
     };
 
+    // The parts every encoder and decoder layer has; `s` is the CT2 layer, `d` the HF one.
+    let self_attention = |t: &mut HashMap<String, Tensor>, s: &str, d: &str| -> Result<()> {
+        split(
+            t,
+            &format!("{s}/self_attention/linear_0"),
+            &[
+                &format!("{d}.self_attn.q_proj"),
+                &format!("{d}.self_attn.k_proj"),
+                &format!("{d}.self_attn.v_proj"),
+            ],
+        )?;
+        linear(
+            t,
+            &format!("{s}/self_attention/linear_1"),
+            &format!("{d}.self_attn.out_proj"),
+            true,
+        )?;
+        norm(
+            t,
+            &format!("{s}/self_attention/layer_norm"),
+            &format!("{d}.self_attn_layer_norm"),
+        )
+    };
+    let feed_forward = |t: &mut HashMap<String, Tensor>, s: &str, d: &str| -> Result<()> {
+        linear(t, &format!("{s}/ffn/linear_0"), &format!("{d}.fc1"), true)?;
+        linear(t, &format!("{s}/ffn/linear_1"), &format!("{d}.fc2"), true)?;
+        norm(
+            t,
+            &format!("{s}/ffn/layer_norm"),
+            &format!("{d}.final_layer_norm"),
+        )
+    };
+
     linear(&mut t, "encoder/conv1", "model.encoder.conv1", true)?;
     linear(&mut t, "encoder/conv2", "model.encoder.conv2", true)?;
     t.insert(
@@ -203,43 +236,8 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
     for i in 0..enc_layers {
         let s = format!("encoder/layer_{i}");
         let d = format!("model.encoder.layers.{i}");
-        split(
-            &mut t,
-            &format!("{s}/self_attention/linear_0"),
-            &[
-                &format!("{d}.self_attn.q_proj"),
-                &format!("{d}.self_attn.k_proj"),
-                &format!("{d}.self_attn.v_proj"),
-            ],
-        )?;
-        linear(
-            &mut t,
-            &format!("{s}/self_attention/linear_1"),
-            &format!("{d}.self_attn.out_proj"),
-            true,
-        )?;
-        norm(
-            &mut t,
-            &format!("{s}/self_attention/layer_norm"),
-            &format!("{d}.self_attn_layer_norm"),
-        )?;
-        linear(
-            &mut t,
-            &format!("{s}/ffn/linear_0"),
-            &format!("{d}.fc1"),
-            true,
-        )?;
-        linear(
-            &mut t,
-            &format!("{s}/ffn/linear_1"),
-            &format!("{d}.fc2"),
-            true,
-        )?;
-        norm(
-            &mut t,
-            &format!("{s}/ffn/layer_norm"),
-            &format!("{d}.final_layer_norm"),
-        )?;
+        self_attention(&mut t, &s, &d)?;
+        feed_forward(&mut t, &s, &d)?;
     }
 
     t.insert(
@@ -255,26 +253,7 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
     for i in 0..dec_layers {
         let s = format!("decoder/layer_{i}");
         let d = format!("model.decoder.layers.{i}");
-        split(
-            &mut t,
-            &format!("{s}/self_attention/linear_0"),
-            &[
-                &format!("{d}.self_attn.q_proj"),
-                &format!("{d}.self_attn.k_proj"),
-                &format!("{d}.self_attn.v_proj"),
-            ],
-        )?;
-        linear(
-            &mut t,
-            &format!("{s}/self_attention/linear_1"),
-            &format!("{d}.self_attn.out_proj"),
-            true,
-        )?;
-        norm(
-            &mut t,
-            &format!("{s}/self_attention/layer_norm"),
-            &format!("{d}.self_attn_layer_norm"),
-        )?;
+        self_attention(&mut t, &s, &d)?;
         linear(
             &mut t,
             &format!("{s}/attention/linear_0"),
@@ -300,23 +279,7 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
             &format!("{s}/attention/layer_norm"),
             &format!("{d}.encoder_attn_layer_norm"),
         )?;
-        linear(
-            &mut t,
-            &format!("{s}/ffn/linear_0"),
-            &format!("{d}.fc1"),
-            true,
-        )?;
-        linear(
-            &mut t,
-            &format!("{s}/ffn/linear_1"),
-            &format!("{d}.fc2"),
-            true,
-        )?;
-        norm(
-            &mut t,
-            &format!("{s}/ffn/layer_norm"),
-            &format!("{d}.final_layer_norm"),
-        )?;
+        feed_forward(&mut t, &s, &d)?;
     }
 
     let emb = &t["model.decoder.embed_tokens.weight"];
