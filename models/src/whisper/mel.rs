@@ -6,26 +6,26 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::whisper::{self as m, Config};
 
-/// Slaney mel scale: linear (200/3 Hz per mel) below 1 kHz, logarithmic above.
+// Slaney mel scale: linear (200/3 Hz per mel) below 1 kHz, logarithmic above.
+const F_SP: f64 = 200.0 / 3.0;
+const MIN_LOG_HZ: f64 = 1000.0;
+const MIN_LOG_MEL: f64 = MIN_LOG_HZ / F_SP;
+
+fn log_step() -> f64 {
+    6.4f64.ln() / 27.0
+}
+
 fn hz_to_mel(f: f64) -> f64 {
-    const F_SP: f64 = 200.0 / 3.0;
-    const MIN_LOG_HZ: f64 = 1000.0;
-    let min_log_mel = MIN_LOG_HZ / F_SP;
-    let logstep = 6.4f64.ln() / 27.0;
     if f >= MIN_LOG_HZ {
-        min_log_mel + (f / MIN_LOG_HZ).ln() / logstep
+        MIN_LOG_MEL + (f / MIN_LOG_HZ).ln() / log_step()
     } else {
         f / F_SP
     }
 }
 
 fn mel_to_hz(mel: f64) -> f64 {
-    const F_SP: f64 = 200.0 / 3.0;
-    const MIN_LOG_HZ: f64 = 1000.0;
-    let min_log_mel = MIN_LOG_HZ / F_SP;
-    let logstep = 6.4f64.ln() / 27.0;
-    if mel >= min_log_mel {
-        MIN_LOG_HZ * (logstep * (mel - min_log_mel)).exp()
+    if mel >= MIN_LOG_MEL {
+        MIN_LOG_HZ * (log_step() * (mel - MIN_LOG_MEL)).exp()
     } else {
         mel * F_SP
     }
