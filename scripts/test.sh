@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/services.sh up
-bash scripts/models.sh
+bash scripts/models.sh --all
 # shellcheck source=env.sh
 . scripts/env.sh
 

@@ -63,7 +63,9 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_input", format!("input of {kind}: {msg}"))
     })?;
 
+    let cost = estimated_cost(kind, &input);
     let mut job = NewJob::new(kind, input);
+    job.cost = cost;
     job.priority = priority;
     job.run_at = parse_run_at(obj)?;
     if let Some(v) = obj.get("max_attempts").filter(|v| !v.is_null()) {
@@ -110,6 +112,41 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         job.request_sha256 = Some(fingerprint(value));
     }
     Ok(Submission { job })
+}
+
+/// Characters per token assumed when estimating costs without a tokenizer (English text with
+/// BERT WordPiece or a GPT-style BPE averages about 4).
+const CHARS_PER_TOKEN: usize = 4;
+/// Tokens an embedding text is truncated at.
+const EMBED_MAX_TOKENS: usize = 256;
+/// `max_tokens` of a generate job that gives none.
+const GENERATE_DEFAULT_MAX_TOKENS: usize = 256;
+
+/// The cost the queue packs batches by, for kinds whose cost follows from the input alone:
+/// embed: padded tokens (texts x the longest text's tokens, with [CLS]/[SEP]); generate: prompt
+/// tokens plus `max_tokens`. Transcription costs are set later, from the probed audio duration.
+/// Estimates: the API holds no tokenizer.
+fn estimated_cost(kind: JobKind, input: &Value) -> i32 {
+    let tokens = |s: &str| s.chars().count().div_ceil(CHARS_PER_TOKEN);
+    let cost = match kind {
+        JobKind::Embed => {
+            let texts = input["texts"].as_array().map_or(&[][..], Vec::as_slice);
+            let longest = texts.iter().filter_map(Value::as_str).map(|t| (tokens(t) + 2).min(EMBED_MAX_TOKENS)).max();
+            texts.len() * longest.unwrap_or(2)
+        }
+        JobKind::Generate => {
+            let prompt = match (input["prompt"].as_str(), input["messages"].as_array()) {
+                (Some(p), _) => tokens(p),
+                // ChatML adds about 5 tokens per message.
+                (None, Some(m)) => m.iter().map(|m| tokens(m["content"].as_str().unwrap_or("")) + 5).sum(),
+                _ => 0,
+            };
+            let max_tokens = input["max_tokens"].as_u64().map_or(GENERATE_DEFAULT_MAX_TOKENS, |n| n as usize);
+            prompt + max_tokens
+        }
+        JobKind::Echo | JobKind::Transcribe => 1,
+    };
+    cost.clamp(1, i32::MAX as usize) as i32
 }
 
 fn unknown_kind(kind: &str) -> ApiError {

@@ -70,7 +70,14 @@ pub struct JobOutput {
     /// Other renderings of the same result, by format name (`srt`, `vtt` for transcriptions).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub formats: BTreeMap<String, JobOutput>,
+    /// The output itself, when it is JSON smaller than [`INLINE_OUTPUT_MAX_BYTES`] and its kind
+    /// inlines results (embeddings, generation): clients then need no second request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inline: Option<Value>,
 }
+
+/// Largest output (bytes of JSON) copied into the job record as [`JobOutput::inline`]: 64 KiB.
+pub const INLINE_OUTPUT_MAX_BYTES: usize = 64 * 1024;
 
 /// A job about to be inserted. Build it with [`NewJob::new`] and adjust the public fields.
 #[derive(Debug, Clone)]

@@ -12,16 +12,23 @@ pub enum JobKind {
     Echo,
     /// Speech to text with Whisper: JSON, SRT and VTT outputs. Costs one unit per 30 s window.
     Transcribe,
+    /// Sentence embeddings (BERT family): up to 2,048 texts. Costs its padded tokens.
+    Embed,
+    /// Text generation with a small LLM from a prompt or chat messages. Costs prompt tokens plus
+    /// `max_tokens`.
+    Generate,
 }
 
 impl JobKind {
     /// Every kind, in a stable order.
-    pub const ALL: &'static [JobKind] = &[JobKind::Echo, JobKind::Transcribe];
+    pub const ALL: &'static [JobKind] = &[JobKind::Echo, JobKind::Transcribe, JobKind::Embed, JobKind::Generate];
 
     pub fn as_str(self) -> &'static str {
         match self {
             JobKind::Echo => "echo",
             JobKind::Transcribe => "transcribe",
+            JobKind::Embed => "embed",
+            JobKind::Generate => "generate",
         }
     }
 
@@ -30,6 +37,7 @@ impl JobKind {
         match self {
             JobKind::Echo => &["file"],
             JobKind::Transcribe => &["audio"],
+            JobKind::Embed | JobKind::Generate => &[],
         }
     }
 }

@@ -123,6 +123,7 @@ impl ObjectStore {
             sha256,
             content_type: content_type.to_string(),
             formats: Default::default(),
+            inline: None,
         })
     }
 

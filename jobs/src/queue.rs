@@ -84,6 +84,18 @@ pub enum SettleAction {
     Drop,
 }
 
+/// How far a running job got, as GET shows it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Progress {
+    /// Units done: windows (transcribe) or tokens generated (generate).
+    pub done: u64,
+    /// Units in all (for generate: `max_tokens`, an upper bound).
+    pub total: u64,
+    /// The text generated so far (generate only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+}
+
 /// Redis queue access. Cheap to clone.
 #[derive(Clone)]
 pub struct Queue {
@@ -283,19 +295,26 @@ impl Queue {
 
     /// Records how far a running job got (`done` of `total` units: windows, tokens).
     pub async fn set_progress(&self, kind: JobKind, id: Uuid, done: u64, total: u64) -> Result<()> {
+        self.write_progress(kind, id, &Progress { done, total, text: None }).await
+    }
+
+    /// Records progress with the partial result so far (generated text).
+    pub async fn set_progress_text(&self, kind: JobKind, id: Uuid, done: u64, total: u64, text: &str) -> Result<()> {
+        self.write_progress(kind, id, &Progress { done, total, text: Some(text.to_string()) }).await
+    }
+
+    async fn write_progress(&self, kind: JobKind, id: Uuid, p: &Progress) -> Result<()> {
         let mut c = self.conn().await?;
-        let _: () = c.hset(self.key(kind, "progress"), id.to_string(), format!("{done}/{total}")).await?;
+        let v = serde_json::to_string(p).expect("progress serialises");
+        let _: () = c.hset(self.key(kind, "progress"), id.to_string(), v).await?;
         Ok(())
     }
 
-    /// How far a running job got: (done, total), if it reported any progress.
-    pub async fn progress(&self, kind: JobKind, id: Uuid) -> Result<Option<(u64, u64)>> {
+    /// How far a running job got, if it reported any progress.
+    pub async fn progress(&self, kind: JobKind, id: Uuid) -> Result<Option<Progress>> {
         let mut c = self.conn().await?;
         let v: Option<String> = c.hget(self.key(kind, "progress"), id.to_string()).await?;
-        Ok(v.and_then(|v| {
-            let (done, total) = v.split_once('/')?;
-            Some((done.parse().ok()?, total.parse().ok()?))
-        }))
+        Ok(v.and_then(|v| serde_json::from_str(&v).ok()))
     }
 
     /// Jobs of `kind` waiting: ready plus delayed.

@@ -18,6 +18,11 @@ pub fn documents(kind: JobKind) -> (&'static str, &'static str) {
             include_str!("../../schemas/transcribe.input.json"),
             include_str!("../../schemas/transcribe.output.json"),
         ),
+        JobKind::Embed => (include_str!("../../schemas/embed.input.json"), include_str!("../../schemas/embed.output.json")),
+        JobKind::Generate => (
+            include_str!("../../schemas/generate.input.json"),
+            include_str!("../../schemas/generate.output.json"),
+        ),
     }
 }
 

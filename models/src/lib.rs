@@ -1,10 +1,14 @@
-//! Speech-to-text models for tern.
+//! The models tern's workers run.
 //!
 //! - [`audio`]: probe and decode uploads (WAV/FLAC/MP3/OGG-Vorbis) to 16 kHz mono PCM.
 //! - [`whisper`]: Whisper on candle, loaded straight from faster-whisper (CTranslate2) folders.
+//! - [`embed`]: sentence embeddings with BERT-family encoders (all-MiniLM-L6-v2).
+//! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template.
 //!
 //! Everything runs on the CPU by default (pass another candle `Device` to
 //! [`whisper::Whisper::load_ct2`] to change that); no network access is needed at run time.
 
 pub mod audio;
+pub mod embed;
+pub mod generate;
 pub mod whisper;

@@ -79,6 +79,7 @@ async fn jobs_of_a_killed_worker_run_again_elsewhere_and_its_stale_tokens_are_re
         sha256: "0".repeat(64),
         content_type: "text/plain".into(),
         formats: Default::default(),
+        inline: None,
     };
     let settlements: Vec<Settlement> = stale
         .iter()

@@ -61,6 +61,17 @@ async fn output_json(cluster: &Cluster, id: Uuid) -> (Value, Value) {
 
 #[tokio::test]
 async fn librivox_clips_are_transcribed_through_the_service_within_ten_percent_word_error_rate() {
+    librivox_word_error_rate("whisper-tiny.en", 0.10).await;
+}
+
+#[tokio::test]
+async fn the_multilingual_base_model_transcribes_within_five_percent_word_error_rate() {
+    librivox_word_error_rate("whisper-base", 0.05).await;
+}
+
+/// Transcribes every LibriVox clip with `model` (auto language for multilingual ones) and
+/// checks the word error rate over all of them.
+async fn librivox_word_error_rate(model: &str, limit: f64) {
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let clips = clips();
     assert!(clips.len() >= 5, "expected the LibriVox clips");
@@ -69,7 +80,7 @@ async fn librivox_clips_are_transcribed_through_the_service_within_ten_percent_w
         .map(|(path, _)| json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&std::fs::read(path).unwrap())}}}))
         .collect();
     let ids = cluster.submit_all(&jobs).await.unwrap();
-    let _w = cluster.spawn_worker(&[]).unwrap();
+    let _w = cluster.spawn_worker(&[("TERN_WHISPER_MODEL", model)]).unwrap();
     let counts = cluster.wait_terminal(&ids, Duration::from_secs(240)).await.unwrap();
     assert_eq!(counts.get("succeeded"), Some(&(ids.len() as i64)), "{counts:?}");
     let (mut errors, mut total) = (0, 0);
@@ -83,14 +94,16 @@ async fn librivox_clips_are_transcribed_through_the_service_within_ten_percent_w
         errors += e;
         total += r.len();
         assert_eq!(job["cost"], 1, "a clip under 30 s is one window");
+        assert_eq!(out["model"], model);
+        assert_eq!(out["language"], "en", "English, given or detected");
         let srt = reqwest::get(job["output"]["formats"]["srt"]["url"].as_str().unwrap()).await.unwrap().text().await.unwrap();
         assert!(srt.starts_with("1\n00:00:"), "{srt}");
         let vtt = reqwest::get(job["output"]["formats"]["vtt"]["url"].as_str().unwrap()).await.unwrap().text().await.unwrap();
         assert!(vtt.starts_with("WEBVTT"), "{vtt}");
     }
     let wer = errors as f64 / total as f64;
-    println!("word error rate: {wer:.3} ({errors}/{total})");
-    assert!(wer <= 0.10, "word error rate {wer:.3} over 10%");
+    println!("{model}: word error rate {wer:.3} ({errors}/{total})");
+    assert!(wer <= limit, "{model}: word error rate {wer:.3} over {limit}");
 }
 
 #[tokio::test]
@@ -175,4 +188,46 @@ async fn bad_audio_fails_with_stable_codes_and_the_worker_keeps_serving() {
     assert!(attempts.iter().all(|a| *a == 1), "bad audio is not retried: {attempts:?}");
     let (_, out) = output_json(&cluster, good_id).await;
     assert!(words(out["text"].as_str().unwrap()).contains(&"young".to_string()), "{out}");
+}
+
+/// Largest `recordings=N` a worker logged for one model batch.
+fn largest_batch(log: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("transcription batch done"))
+        .filter_map(|l| l.split("recordings=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn windows_of_several_jobs_batched_together_give_the_same_text_as_each_alone() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let clips = clips();
+    let jobs: Vec<Value> = clips
+        .iter()
+        .map(|(path, _)| json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&std::fs::read(path).unwrap())}}}))
+        .collect();
+
+    let alone_ids = cluster.submit_all(&jobs).await.unwrap();
+    let mut alone = cluster
+        .spawn_worker(&[("TERN_TRANSCRIBE_BATCH_WINDOWS", "1"), ("TERN_CONCURRENCY", "1"), ("TERN_WORKER_KINDS", "transcribe")])
+        .unwrap();
+    cluster.wait_terminal(&alone_ids, Duration::from_secs(240)).await.unwrap();
+    assert_eq!(largest_batch(&alone.log_text()), 1, "one recording per model batch");
+    alone.terminate(Duration::from_secs(10)).unwrap();
+
+    let batched_ids = cluster.submit_all(&jobs).await.unwrap();
+    let batched = cluster
+        .spawn_worker(&[("TERN_TRANSCRIBE_BATCH_WINDOWS", "16"), ("TERN_WORKER_KINDS", "transcribe")])
+        .unwrap();
+    cluster.wait_terminal(&batched_ids, Duration::from_secs(240)).await.unwrap();
+    let largest = largest_batch(&batched.log_text());
+    assert!(largest >= 4, "several recordings shared a model batch (largest {largest})");
+
+    for (a, b) in alone_ids.iter().zip(&batched_ids) {
+        let (_, one) = output_json(&cluster, *a).await;
+        let (_, many) = output_json(&cluster, *b).await;
+        assert_eq!(one["text"], many["text"]);
+        assert_eq!(one["segments"], many["segments"]);
+    }
 }

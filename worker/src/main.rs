@@ -2,11 +2,12 @@
 //! S3-compatible storage and records the outcome in Postgres. Run as many as you like, on as
 //! many machines: leases and fencing tokens keep each job's outcome single.
 
+mod engine;
 mod file_fetch;
 mod kinds;
 mod lease_keeper;
+mod memory;
 mod runner;
-mod speech_engine;
 mod stop;
 
 use anyhow::Context;
@@ -29,9 +30,26 @@ struct Cli {
     /// Most jobs per batch.
     #[arg(long, env = "TERN_BATCH_SIZE", default_value_t = 64)]
     batch_size: usize,
-    /// Cost budget of a batch (echo jobs cost 1). Default: the batch size.
+    /// Cost budget of a batch of echo jobs (they cost 1 each). Default: the batch size. Model
+    /// kinds size their batches by memory (see the options below).
     #[arg(long, env = "TERN_BATCH_BUDGET")]
     batch_budget: Option<i64>,
+    /// Bytes the resident models and their batches may use, e.g. `2GiB`, `800MB` or a plain
+    /// number. Default: available RAM (MemAvailable) minus 1 GiB of headroom, at least 256 MiB.
+    /// Models beyond it are evicted, least recently used first.
+    #[arg(long, env = "TERN_MEMORY_BUDGET", value_parser = memory::parse_bytes)]
+    memory_budget: Option<u64>,
+    /// Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory budget
+    /// and the memory per window measured at warmup, at most 16.
+    #[arg(long, env = "TERN_TRANSCRIBE_BATCH_WINDOWS")]
+    transcribe_batch_windows: Option<usize>,
+    /// Most padded tokens in one batch of embedding jobs. Default: calibrated, at most 32768.
+    #[arg(long, env = "TERN_EMBED_BATCH_TOKENS")]
+    embed_batch_tokens: Option<usize>,
+    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch; they run one
+    /// after another.
+    #[arg(long, env = "TERN_GENERATE_BATCH_TOKENS", default_value_t = 4096)]
+    generate_batch_tokens: usize,
     /// Batches in flight at once; more overlaps one batch's database round trips with
     /// another's work.
     #[arg(long, env = "TERN_CONCURRENCY", default_value_t = 4)]
@@ -59,6 +77,14 @@ struct Cli {
     /// models directory.
     #[arg(long, env = "TERN_WHISPER_MODEL", default_value = "whisper-tiny.en")]
     whisper_model: String,
+    /// Sentence-embedding model for `embed` jobs: a Hugging Face folder (BERT family) under the
+    /// models directory.
+    #[arg(long, env = "TERN_EMBED_MODEL", default_value = "all-MiniLM-L6-v2")]
+    embed_model: String,
+    /// Language model for `generate` jobs: a folder holding `model.gguf` (llama architecture)
+    /// under the models directory.
+    #[arg(long, env = "TERN_LLM_MODEL", default_value = "smollm2-135m-instruct")]
+    llm_model: String,
     #[command(flatten)]
     services: ServiceArgs,
 }
@@ -119,8 +145,23 @@ async fn main() -> anyhow::Result<()> {
         objects: objects.clone(),
         files: file_fetch::FileFetcher { objects, http: reqwest::Client::new(), max_bytes: cli.max_file_bytes },
         uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
-        speech: kinds.contains(&JobKind::Transcribe).then(|| {
-            Arc::new(speech_engine::SpeechEngine::start(expand_home(&cli.models_dir), cli.whisper_model.clone()))
+        engine: kinds.iter().any(|k| *k != JobKind::Echo).then(|| {
+            let budget = cli.memory_budget.unwrap_or_else(memory::default_budget);
+            tracing::info!(memory_budget = budget, "model memory budget");
+            Arc::new(engine::Engine::start(
+                expand_home(&cli.models_dir),
+                engine::ModelNames {
+                    whisper: cli.whisper_model.clone(),
+                    embedder: cli.embed_model.clone(),
+                    llm: cli.llm_model.clone(),
+                },
+                budget,
+                engine::BatchLimits {
+                    windows: cli.transcribe_batch_windows.map(|n| n.max(1)),
+                    embed_tokens: cli.embed_batch_tokens.map(|n| n.max(1)),
+                    generate_tokens: cli.generate_batch_tokens.max(1),
+                },
+            ))
         }),
     });
 
@@ -144,6 +185,10 @@ async fn main() -> anyhow::Result<()> {
             let _ = abort_tx.send(true);
             all.await;
         }
+    }
+    if let Some(engine) = &runner.engine {
+        let report = engine.report.lock().expect("not poisoned").clone();
+        tracing::info!(hits = report.hits, misses = report.misses, evictions = report.evictions, load_failures = report.load_failures, "model cache at exit");
     }
     tracing::info!("tern-worker stopped");
     Ok(())

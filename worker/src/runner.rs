@@ -5,7 +5,8 @@
 use crate::file_fetch::FileFetcher;
 use crate::kinds::{self, Context, Execution};
 use crate::lease_keeper::{self, HeldJob};
-use crate::speech_engine::SpeechEngine;
+use crate::engine::cache::Family;
+use crate::engine::Engine;
 use crate::stop::{StopReason, StopSignal};
 use chrono::Utc;
 use std::sync::Arc;
@@ -24,7 +25,8 @@ pub struct RunnerSettings {
     pub kinds: Vec<JobKind>,
     /// Most jobs per batch.
     pub batch_size: usize,
-    /// Cost budget per batch.
+    /// Cost budget per batch of kinds without a model (echo). Model kinds take theirs from the
+    /// engine: windows, padded tokens, or prompt + max tokens.
     pub batch_budget: i64,
     pub heartbeat: Duration,
     /// Longest sleep between pulls while the queue is empty.
@@ -42,8 +44,8 @@ pub struct Runner {
     pub files: FileFetcher,
     /// Bounds concurrent output uploads across the worker's loops.
     pub uploads: Semaphore,
-    /// The speech model's thread, when this worker runs transcriptions.
-    pub speech: Option<Arc<SpeechEngine>>,
+    /// The model thread, when this worker runs model kinds.
+    pub engine: Option<Arc<Engine>>,
 }
 
 impl Runner {
@@ -55,7 +57,7 @@ impl Runner {
         while !*shutdown.borrow() {
             let kind = self.settings.kinds[next_kind % self.settings.kinds.len()];
             next_kind += 1;
-            match self.queue.pull(kind, self.settings.batch_size, self.settings.batch_budget).await {
+            match self.queue.pull(kind, self.settings.batch_size, self.batch_budget(kind)).await {
                 Ok(leases) if !leases.is_empty() => {
                     idle = Duration::from_millis(1);
                     if let Err(e) = self.run_batch(kind, leases, abort.clone()).await {
@@ -81,6 +83,19 @@ impl Runner {
                     }
                 }
             }
+        }
+    }
+
+    fn batch_budget(&self, kind: JobKind) -> i64 {
+        let family = match kind {
+            JobKind::Echo => None,
+            JobKind::Transcribe => Some(Family::Whisper),
+            JobKind::Embed => Some(Family::Embedder),
+            JobKind::Generate => Some(Family::Llm),
+        };
+        match (family, &self.engine) {
+            (Some(f), Some(engine)) => engine.batch_budget(f),
+            _ => self.settings.batch_budget,
         }
     }
 
@@ -163,7 +178,7 @@ impl Runner {
             files: &self.files,
             stop,
             queue: &self.queue,
-            speech: self.speech.as_deref(),
+            engine: self.engine.as_deref(),
             max_audio_seconds: self.settings.max_audio_seconds,
         };
         let timeout = Duration::from_millis(job.timeout_ms.max(1) as u64);
@@ -177,13 +192,17 @@ impl Runner {
             }
         };
         match execution {
-            Execution::Output { body, content_type, extension, extras } => {
+            Execution::Output { body, content_type, extension, extras, inline } => {
+                let inline = (inline && body.len() < tern_jobs::job::INLINE_OUTPUT_MAX_BYTES)
+                    .then(|| serde_json::from_slice(&body).ok())
+                    .flatten();
                 // The key carries the lease token: a stale attempt can never overwrite the
                 // objects a newer attempt recorded.
                 let stem = format!("outputs/{}.{}", job.id, job.lease_token.unwrap_or_default());
                 let _permit = self.uploads.acquire().await.expect("never closed");
                 let stored = async {
                     let mut output = self.objects.put(&format!("{stem}.{extension}"), body, content_type).await?;
+                    output.inline = inline;
                     for extra in extras {
                         let file = self.objects.put(&format!("{stem}.{}", extra.format), extra.body, extra.content_type).await?;
                         output.formats.insert(extra.format.to_string(), file);

@@ -54,8 +54,8 @@ pub async fn job_view(state: &AppState, job: &Job, with_position: bool) -> Resul
     };
     v["queue_position"] = json!(position);
     if job.state == JobState::Running {
-        if let Some((done, total)) = state.queue.progress(job.kind, job.id).await? {
-            v["progress"] = json!({ "done": done, "total": total });
+        if let Some(progress) = state.queue.progress(job.kind, job.id).await? {
+            v["progress"] = json!(progress);
         }
     }
     if let Some(output) = &job.output {

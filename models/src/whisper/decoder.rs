@@ -69,6 +69,27 @@ impl CrossKv {
             .collect::<Result<Vec<_>>>()?;
         Ok(CrossKv { layers })
     }
+
+    /// The keys/values of the given batch rows, in that order.
+    pub fn select(&self, rows: &[usize]) -> Result<CrossKv> {
+        if rows.len() == 1 {
+            return self.row(rows[0]);
+        }
+        let Some((k0, _)) = self.layers.first() else {
+            return Ok(CrossKv { layers: Vec::new() });
+        };
+        let index = Tensor::from_vec(
+            rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+            rows.len(),
+            k0.device(),
+        )?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| Ok((k.index_select(&index, 0)?, v.index_select(&index, 0)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CrossKv { layers })
+    }
 }
 
 /// Self-attention keys (scaled) and values of the tokens fed so far, per layer, each

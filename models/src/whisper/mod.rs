@@ -99,6 +99,7 @@ pub struct Whisper {
     languages: Vec<(u32, String)>,
     filters: Vec<f32>,
     device: Device,
+    weights_bytes: u64,
 }
 
 // Workers move a loaded model into their own thread.
@@ -114,6 +115,16 @@ pub fn windows_for(seconds: f64) -> usize {
         return 1;
     }
     ((seconds / WINDOW_SECONDS).ceil() as usize).max(1)
+}
+
+/// A recording's transcript while [`Whisper::transcribe_many`] builds it.
+struct Pending {
+    /// Windows the recording costs.
+    total: usize,
+    /// `None` until detected from the first window.
+    language: Option<(Option<u32>, String)>,
+    segments: Vec<Segment>,
+    error: Option<anyhow::Error>,
 }
 
 #[derive(serde::Deserialize)]
@@ -148,6 +159,7 @@ impl Whisper {
             mut config,
         } = ct2::to_candle(&vars)?;
         drop(vars);
+        let weights_bytes = tensors.values().map(|t| (t.elem_count() * 4) as u64).sum();
 
         let cfg_path = dir.join("config.json");
         let ct2_cfg: Ct2Config = serde_json::from_slice(
@@ -206,7 +218,35 @@ impl Whisper {
             specials,
             languages,
             device: device.clone(),
+            weights_bytes,
         })
+    }
+
+    /// Bytes of weights held (F32).
+    pub fn weights_bytes(&self) -> u64 {
+        self.weights_bytes
+    }
+
+    /// Runs `windows` windows of silence through the encoder and one decoder step, the memory
+    /// a batch of that size needs at its peak. A model that fails here is not fit to serve.
+    pub fn warmup(&mut self, windows: usize) -> Result<()> {
+        let silence = vec![0f32; m::N_SAMPLES];
+        let mut features = Vec::with_capacity(windows.max(1));
+        for _ in 0..windows.max(1) {
+            let mel = mel::window_mel(&self.model.config, &self.filters, &silence, &self.device)?;
+            features.push(self.model.encoder.forward(&mel, true)?);
+        }
+        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?)?;
+        drop(features);
+        let sot = vec![self.specials.sot; windows.max(1)];
+        let input = candle_core::Tensor::from_vec(sot, (windows.max(1), 1), &self.device)?;
+        let mut cache = self.decoder.new_cache();
+        let ys = self.decoder.forward(&input, &cross, &mut cache)?;
+        let logits = self.decoder.logits_vecs(&ys, 0)?;
+        if logits.iter().flatten().any(|x| !x.is_finite()) {
+            bail!("warmup produced non-finite logits");
+        }
+        Ok(())
     }
 
     /// Whether the model handles languages other than English (and language detection).
@@ -243,100 +283,183 @@ impl Whisper {
         opts: &TranscribeOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Transcript> {
-        let sr = m::SAMPLE_RATE;
-        let duration = pcm.len() as f64 / sr as f64;
-        let total = windows_for(duration);
-        let mut language: Option<(Option<u32>, String)> = if self.is_multilingual() {
-            match &opts.language {
-                Some(code) => {
-                    let id = self
-                        .languages
-                        .iter()
-                        .find(|(_, c)| c == code)
-                        .map(|(id, _)| *id)
-                        .ok_or_else(|| anyhow!("unknown language code {code:?}"))?;
-                    Some((Some(id), code.clone()))
-                }
-                None => None,
-            }
-        } else {
-            // English-only models take no language or task token.
-            Some((None, "en".to_string()))
-        };
+        self.transcribe_many(&[(pcm, opts)], DECODE_BATCH, &mut |_, done, total| progress(done, total))
+            .pop()
+            .expect("one result per input")
+    }
 
-        let mut segments = Vec::new();
-        let bounds = |w: usize| {
+    /// Transcribes several recordings together: their windows, in input order, are encoded and
+    /// decoded `window_batch` at a time (at least 1), so short clips share decoder steps. Each
+    /// recording's transcript is the same as [`Whisper::transcribe`] gives for it alone: windows
+    /// keep their own sampling seeds and the rows of a batch do not interact.
+    /// `progress(input, done_windows, total_windows)` is called once per window.
+    /// One result per input, in order; an input that fails (say, an unknown language code) does
+    /// not fail the others.
+    pub fn transcribe_many(
+        &mut self,
+        inputs: &[(&[f32], &TranscribeOptions)],
+        window_batch: usize,
+        progress: &mut dyn FnMut(usize, usize, usize),
+    ) -> Vec<Result<Transcript>> {
+        let sr = m::SAMPLE_RATE;
+        let mut items: Vec<Pending> = inputs
+            .iter()
+            .map(|(pcm, opts)| {
+                let total = windows_for(pcm.len() as f64 / sr as f64);
+                let (language, error) = match self.resolve_language(opts) {
+                    Ok(l) => (l, None),
+                    Err(e) => (None, Some(e)),
+                };
+                Pending { total, language, segments: Vec::new(), error }
+            })
+            .collect();
+        let windows: Vec<(usize, usize)> = items
+            .iter()
+            .enumerate()
+            .filter(|(_, it)| it.error.is_none())
+            .flat_map(|(i, it)| (0..it.total).map(move |w| (i, w)))
+            .collect();
+        for chunk in windows.chunks(window_batch.max(1)) {
+            // A failed input's remaining windows are skipped.
+            let chunk: Vec<(usize, usize)> =
+                chunk.iter().copied().filter(|&(i, _)| items[i].error.is_none()).collect();
+            if chunk.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.run_windows(inputs, &chunk, &mut items, progress) {
+                // Which row broke cannot be told apart: every input in the chunk fails.
+                let message = format!("{e:#}");
+                for &(i, _) in &chunk {
+                    items[i].error.get_or_insert_with(|| anyhow!("{message}"));
+                }
+            }
+        }
+        inputs
+            .iter()
+            .zip(items)
+            .map(|((pcm, _), it)| {
+                if let Some(e) = it.error {
+                    return Err(e);
+                }
+                let text = it.segments.iter().map(|s| s.text.as_str()).collect::<Vec<_>>().join(" ");
+                Ok(Transcript {
+                    text,
+                    language: it.language.map(|(_, c)| c).unwrap_or_else(|| "en".into()),
+                    duration: pcm.len() as f64 / sr as f64,
+                    segments: it.segments,
+                })
+            })
+            .collect()
+    }
+
+    /// The language to decode with: `None` when it must be detected from the first window.
+    fn resolve_language(&self, opts: &TranscribeOptions) -> Result<Option<(Option<u32>, String)>> {
+        if !self.is_multilingual() {
+            // English-only models take no language or task token.
+            return Ok(Some((None, "en".to_string())));
+        }
+        match &opts.language {
+            Some(code) => {
+                let id = self
+                    .languages
+                    .iter()
+                    .find(|(_, c)| c == code)
+                    .map(|(id, _)| *id)
+                    .ok_or_else(|| anyhow!("unknown language code {code:?}"))?;
+                Ok(Some((Some(id), code.clone())))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Encodes and decodes one batch of windows (`(input, window)` pairs, each input's windows
+    /// in order) and appends their segments to the inputs' items.
+    fn run_windows(
+        &mut self,
+        inputs: &[(&[f32], &TranscribeOptions)],
+        chunk: &[(usize, usize)],
+        items: &mut [Pending],
+        progress: &mut dyn FnMut(usize, usize, usize),
+    ) -> Result<()> {
+        let sr = m::SAMPLE_RATE;
+        let bounds = |pcm: &[f32], w: usize| {
             let start = (w * m::N_SAMPLES).min(pcm.len());
             (start, (start + m::N_SAMPLES).min(pcm.len()))
         };
-        let mut first = 0;
-        while first < total {
-            // Several windows are decoded together: every step then reads the decoder weights
-            // once for the whole batch.
-            let last = (first + DECODE_BATCH).min(total);
-            let mut features = Vec::with_capacity(last - first);
-            for w in first..last {
-                let (start, end) = bounds(w);
-                let mel = mel::window_mel(
-                    &self.model.config,
-                    &self.filters,
-                    &pcm[start..end],
-                    &self.device,
-                )?;
-                features.push(self.model.encoder.forward(&mel, true)?);
+        let mut features = Vec::with_capacity(chunk.len());
+        for &(i, w) in chunk {
+            let pcm = inputs[i].0;
+            let (start, end) = bounds(pcm, w);
+            let mel = mel::window_mel(&self.model.config, &self.filters, &pcm[start..end], &self.device)?;
+            features.push(self.model.encoder.forward(&mel, true)?);
+        }
+        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?)?;
+        drop(features);
+        for (row, &(i, _)) in chunk.iter().enumerate() {
+            if items[i].language.is_none() {
+                let (id, code) = self.detect_language(&cross.row(row)?)?;
+                items[i].language = Some((Some(id), code));
             }
-            let cross = self
-                .decoder
-                .cross_kv(&candle_core::Tensor::cat(&features, 0)?)?;
-            drop(features);
-            if language.is_none() {
-                let (id, code) = self.detect_language(&cross.row(0)?)?;
-                language = Some((Some(id), code));
-            }
-            let (lang_token, _) = language.as_ref().expect("set above");
-
+        }
+        // Rows that share a prompt decode together; prompts differ by language, task and
+        // timestamps.
+        let mut groups: Vec<(Vec<u32>, bool, Vec<usize>)> = Vec::new();
+        for (row, &(i, _)) in chunk.iter().enumerate() {
+            let opts = inputs[i].1;
+            let (lang_token, _) = items[i].language.as_ref().expect("resolved above");
             let mut prompt = vec![self.specials.sot];
             if self.is_multilingual() {
                 prompt.extend(lang_token);
-                let task = match opts.task {
+                prompt.extend(match opts.task {
                     Task::Transcribe => self.specials.transcribe,
                     Task::Translate => self.specials.translate,
-                };
-                prompt.extend(task);
+                });
             }
             if !opts.timestamps {
                 prompt.push(self.specials.no_timestamps);
             }
-            let seeds: Vec<u64> = (first..last).map(|w| w as u64 + 1).collect();
-            let decoded = decode::decode_with_fallback(
+            match groups.iter_mut().find(|(p, t, _)| *p == prompt && *t == opts.timestamps) {
+                Some((_, _, rows)) => rows.push(row),
+                None => groups.push((prompt, opts.timestamps, vec![row])),
+            }
+        }
+        let mut decoded: Vec<Option<decode::Decoded>> = (0..chunk.len()).map(|_| None).collect();
+        for (prompt, timestamps, rows) in groups {
+            let selected;
+            let rows_cross = if rows.len() == chunk.len() {
+                &cross
+            } else {
+                selected = cross.select(&rows)?;
+                &selected
+            };
+            // Seeds follow the window's place in its own recording, so batching cannot change
+            // what a fallback samples.
+            let seeds: Vec<u64> = rows.iter().map(|&r| chunk[r].1 as u64 + 1).collect();
+            let out = decode::decode_with_fallback(
                 &self.decoder,
-                &cross,
+                rows_cross,
                 &prompt,
                 &self.specials,
-                opts.timestamps,
+                timestamps,
                 &seeds,
             )?;
-            for (w, d) in (first..last).zip(decoded) {
-                let (_, end) = bounds(w);
-                if !d.is_silence() {
-                    let offset = (w * m::N_SAMPLES) as f64 / sr as f64;
-                    self.segments_of(&d.tokens, offset, end as f64 / sr as f64, &mut segments)?;
-                }
-                progress(w + 1, total);
+            for (r, d) in rows.into_iter().zip(out) {
+                decoded[r] = Some(d);
             }
-            first = last;
         }
-        let text = segments
-            .iter()
-            .map(|s| s.text.as_str())
-            .collect::<Vec<_>>()
-            .join(" ");
-        Ok(Transcript {
-            text,
-            language: language.map(|(_, c)| c).unwrap_or_else(|| "en".into()),
-            duration,
-            segments,
-        })
+        for (&(i, w), d) in chunk.iter().zip(decoded) {
+            let d = d.expect("every row decoded");
+            let pcm = inputs[i].0;
+            let (_, end) = bounds(pcm, w);
+            if !d.is_silence() {
+                let offset = (w * m::N_SAMPLES) as f64 / sr as f64;
+                let mut segments = Vec::new();
+                self.segments_of(&d.tokens, offset, end as f64 / sr as f64, &mut segments)?;
+                items[i].segments.extend(segments);
+            }
+            progress(i, w + 1, items[i].total);
+        }
+        Ok(())
     }
 
     /// Splits a window's tokens at timestamp tokens into segments; text after the last

@@ -1,7 +1,8 @@
 //! `tern-bench-transcribe`: transcription throughput through the whole service (API, queue,
 //! worker, Whisper on candle, S3), in audio seconds transcribed per wall-clock second.
 //!
-//! Two workloads, each at several worker batch budgets (`TERN_BATCH_BUDGET`, in 30 s windows):
+//! Two workloads, each at several worker batch budgets (`TERN_TRANSCRIBE_BATCH_WINDOWS`, in 30 s
+//! windows; windows of several jobs are encoded and decoded together up to it):
 //! - short: `--clips` LibriVox clips of 3-7 s, submitted together;
 //! - long: one recording of about `--long-seconds` seconds, built from the clips with pauses.
 //!
@@ -28,6 +29,9 @@ struct Args {
     /// Worker batch budgets to measure, in 30 s windows, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
     budgets: Vec<u32>,
+    /// Whisper model folder under the models directory.
+    #[arg(long, default_value = "whisper-tiny.en")]
+    model: String,
 }
 
 fn b64(bytes: &[u8]) -> String {
@@ -88,14 +92,19 @@ async fn main() -> Result<()> {
     let long_seconds = long.len() as f64 / 16_000.0;
     let long_wav = tern_e2e::wav_16k_mono(&long);
     println!(
-        "tern-bench-transcribe: whisper-tiny.en, {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording",
-        args.clips
+        "tern-bench-transcribe: {}, {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording",
+        args.model, args.clips
     );
     println!("{:>14} {:>22} {:>22}", "batch budget", "short clips audio-s/s", "long file audio-s/s");
     for budget in &args.budgets {
         let mut cluster = Cluster::start(&[("TERN_LOG", "warn")]).await?;
         let budget_s = budget.to_string();
-        let _worker = cluster.spawn_worker(&[("TERN_LOG", "warn"), ("TERN_BATCH_BUDGET", &budget_s), ("TERN_WORKER_KINDS", "transcribe")])?;
+        let _worker = cluster.spawn_worker(&[
+            ("TERN_LOG", "warn"),
+            ("TERN_TRANSCRIBE_BATCH_WINDOWS", &budget_s),
+            ("TERN_WORKER_KINDS", "transcribe"),
+            ("TERN_WHISPER_MODEL", &args.model),
+        ])?;
         // Warm-up: the model loads on its first job.
         run(&cluster, &[json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&clips[0])}}})], "warm-up").await?;
         let jobs: Vec<Value> = short

@@ -50,5 +50,6 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         content_type: "application/json",
         extension: "json",
         extras: Vec::new(),
+        inline: false,
     }
 }

@@ -1,11 +1,13 @@
 //! One executor per job kind.
 
 pub mod echo;
+pub mod embed;
+pub mod generate;
 pub mod subtitles;
 pub mod transcribe;
 
 use crate::file_fetch::FileFetcher;
-use crate::speech_engine::SpeechEngine;
+use crate::engine::Engine;
 use crate::stop::StopSignal;
 use bytes::Bytes;
 use tern_jobs::{Failure, Job, Queue};
@@ -20,7 +22,14 @@ pub struct ExtraOutput {
 
 /// What an executor produced: an output to store, or why the attempt failed.
 pub enum Execution {
-    Output { body: Bytes, content_type: &'static str, extension: &'static str, extras: Vec<ExtraOutput> },
+    Output {
+        body: Bytes,
+        content_type: &'static str,
+        extension: &'static str,
+        extras: Vec<ExtraOutput>,
+        /// Copy the (JSON) body into the job record too when it is small enough.
+        inline: bool,
+    },
     /// `permanent`: bad input; retrying cannot help.
     Failed { failure: Failure, permanent: bool },
     /// Stopped by its [`StopSignal`] before it finished.
@@ -33,15 +42,38 @@ pub struct Context<'a> {
     pub files: &'a FileFetcher,
     pub stop: &'a StopSignal,
     pub queue: &'a Queue,
-    /// The speech model's thread, when this worker runs transcriptions.
-    pub speech: Option<&'a SpeechEngine>,
+    /// The model thread, when this worker runs model kinds.
+    pub engine: Option<&'a Engine>,
     /// Longest audio accepted, seconds.
     pub max_audio_seconds: f64,
+}
+
+/// A failure retrying cannot help (bad input).
+pub fn permanent(code: &str, message: impl Into<String>) -> Execution {
+    Execution::Failed { failure: Failure::new(code, message), permanent: true }
+}
+
+/// An engine error as the job's failure.
+pub fn engine_failure(e: &crate::engine::EngineError) -> Execution {
+    Execution::Failed { failure: Failure::new(e.code(), e.to_string()), permanent: e.is_permanent() }
+}
+
+/// A JSON output, inlined in the job record when small.
+pub fn json_output(body: &serde_json::Value) -> Execution {
+    Execution::Output {
+        body: serde_json::to_vec(body).expect("JSON values serialise").into(),
+        content_type: "application/json",
+        extension: "json",
+        extras: Vec::new(),
+        inline: true,
+    }
 }
 
 pub async fn execute(job: &Job, ctx: &Context<'_>) -> Execution {
     match job.kind {
         tern_jobs::JobKind::Echo => echo::run(job, ctx).await,
         tern_jobs::JobKind::Transcribe => transcribe::run(job, ctx).await,
+        tern_jobs::JobKind::Embed => embed::run(job, ctx).await,
+        tern_jobs::JobKind::Generate => generate::run(job, ctx).await,
     }
 }

@@ -4,21 +4,17 @@
 //! duration limit, then transcribed on the speech thread. Outputs: JSON (the primary output),
 //! SRT and VTT.
 
-use super::{Context, Execution, ExtraOutput};
+use super::{engine_failure, permanent, Context, Execution, ExtraOutput};
 use serde_json::{json, Value};
 use tern_jobs::file_ref::FileRef;
 use tern_jobs::{Failure, Job};
 use tern_models::audio;
 use tern_models::whisper::{Task, TranscribeOptions};
 
-fn permanent(code: &str, message: impl Into<String>) -> Execution {
-    Execution::Failed { failure: Failure::new(code, message), permanent: true }
-}
-
 pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let input = &job.input;
-    let Some(engine) = ctx.speech else {
-        return permanent("model_unavailable", "this worker has no speech model configured");
+    let Some(engine) = ctx.engine else {
+        return permanent("model_unavailable", "this worker has no model engine");
     };
     let file = match input.get("audio").map(FileRef::parse) {
         Some(Ok(f)) => f,
@@ -60,7 +56,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let (transcript, ()) = tokio::join!(engine.transcribe(pcm, options, progress_tx), report);
     let transcript = match transcript {
         Ok(t) => t,
-        Err(e) => return Execution::Failed { failure: Failure::new(e.code(), e.to_string()), permanent: false },
+        Err(e) => return engine_failure(&e),
     };
     if ctx.stop.reason().is_some() {
         return Execution::Stopped;
@@ -69,7 +65,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         "text": transcript.text,
         "language": transcript.language,
         "duration": transcript.duration,
-        "model": engine.model_name,
+        "model": engine.names.whisper,
         "segments": transcript.segments,
     });
     Execution::Output {
@@ -84,5 +80,6 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             },
             ExtraOutput { format: "vtt", body: super::subtitles::vtt(&transcript.segments).into(), content_type: "text/vtt" },
         ],
+        inline: false,
     }
 }

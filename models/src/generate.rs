@@ -1,0 +1,699 @@
+//! Text generation with SmolLM2-135M-Instruct (or another small llama-architecture GGUF with a
+//! GPT-2 style byte-level BPE vocabulary) on candle.
+//!
+//! Everything needed comes from the one `.gguf` file: the weights go to candle's
+//! `quantized_llama`, and the tokenizer is rebuilt from the `tokenizer.ggml.*` metadata, since
+//! the shipped model has no `tokenizer.json`. No network access is needed at run time.
+//!
+//! [`Llm::generate`] runs one request at a time on a private copy of the model state, so an
+//! [`Llm`] can be shared between threads and each request starts from an empty KV cache.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{Device, Tensor};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
+use serde::{Deserialize, Serialize};
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, Tokenizer};
+
+/// Default for [`GenerateOptions::max_tokens`].
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+/// Default for [`GenerateOptions::temperature`].
+pub const DEFAULT_TEMPERATURE: f64 = 0.7;
+/// Most stop sequences [`GenerateOptions::stop`] may hold.
+pub const MAX_STOP_SEQUENCES: usize = 4;
+/// Context length assumed when the GGUF metadata does not state `llama.context_length`.
+pub const DEFAULT_CONTEXT_LENGTH: usize = 2048;
+
+/// Prompt tokens fed to the model per forward pass while reading the prompt. Attention scores
+/// take `heads x chunk x context` floats per layer, so chunking bounds memory for long prompts
+/// (9 heads x 512 x 4096 x 4 bytes = 75 MB) without costing speed at this model size.
+const PREFILL_CHUNK: usize = 512;
+
+/// The byte-level decoder turns an incomplete UTF-8 sequence into this character.
+const REPLACEMENT: char = '\u{FFFD}';
+
+/// Sampling settings for one request. [`Default`] gives the documented defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOptions {
+    /// Most tokens to generate, at least 1. Default [`DEFAULT_MAX_TOKENS`] (256). The prompt
+    /// plus `max_tokens` must fit in [`Llm::context_length`].
+    pub max_tokens: usize,
+    /// Softmax temperature, finite and >= 0. Default [`DEFAULT_TEMPERATURE`] (0.7); 0 means
+    /// greedy (argmax) decoding, which ignores `top_p` and `seed`.
+    pub temperature: f64,
+    /// Nucleus sampling: sample only from the most likely tokens whose probabilities add up
+    /// to `top_p`, in (0, 1]. Default `None` (sample from the whole distribution).
+    pub top_p: Option<f64>,
+    /// Seed of the sampler: the same prompt, options and seed give the same text. Default 0.
+    pub seed: u64,
+    /// Stop sequences, at most [`MAX_STOP_SEQUENCES`], none empty. Default none. Matched on
+    /// the decoded text (so across token boundaries); generation ends at the first match and
+    /// the returned text stops just before it.
+    pub stop: Vec<String>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            max_tokens: DEFAULT_MAX_TOKENS,
+            temperature: DEFAULT_TEMPERATURE,
+            top_p: None,
+            seed: 0,
+            stop: Vec::new(),
+        }
+    }
+}
+
+impl GenerateOptions {
+    /// Checks the limits stated on each field.
+    pub fn validate(&self) -> Result<(), GenerateError> {
+        let invalid =
+            |m: String| -> Result<(), GenerateError> { Err(GenerateError::InvalidOptions(m)) };
+        if self.max_tokens == 0 {
+            return invalid("max_tokens must be at least 1".into());
+        }
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return invalid(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if let Some(p) = self.top_p {
+            // Written so that NaN fails too.
+            if !(p > 0.0 && p <= 1.0) {
+                return invalid(format!("top_p must be in (0, 1], got {p}"));
+            }
+        }
+        if self.stop.len() > MAX_STOP_SEQUENCES {
+            return invalid(format!(
+                "at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {}",
+                self.stop.len()
+            ));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return invalid("stop sequences must not be empty".into());
+        }
+        Ok(())
+    }
+
+    fn sampling(&self) -> Sampling {
+        if self.temperature <= 0.0 {
+            return Sampling::ArgMax;
+        }
+        let temperature = self.temperature;
+        match self.top_p {
+            // top_p = 1 keeps every token: plain sampling, without sorting the vocabulary.
+            Some(p) if p < 1.0 => Sampling::TopP { p, temperature },
+            _ => Sampling::All { temperature },
+        }
+    }
+}
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant` (not checked: the template takes any role).
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+/// What to continue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Raw text, tokenised as is (no template, no BOS: SmolLM2 adds none). Special tokens
+    /// written in it, such as `<|im_start|>`, are recognised as such.
+    Text(String),
+    /// A conversation, rendered with the model's ChatML template and followed by
+    /// `<|im_start|>assistant\n`. As in the model's own template, a default system message is
+    /// put first when the first message is not a system message. Must not be empty.
+    Chat(Vec<ChatMessage>),
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// The model ended its answer (`<|im_end|>` or the end-of-sequence token) or a stop
+    /// sequence matched.
+    Stop,
+    /// `max_tokens` tokens were generated.
+    Length,
+}
+
+/// The result of [`Llm::generate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// The generated text, without the end token and without a matched stop sequence.
+    pub text: String,
+    /// Tokens in the rendered prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated, not counting the end token (`<|im_end|>`/EOS), which is not part of
+    /// the text. A token that completed a stop sequence is counted.
+    pub completion_tokens: usize,
+    /// Why generation ended.
+    pub finish_reason: FinishReason,
+}
+
+/// Why a request cannot be served. Each variant has a stable machine code, see
+/// [`GenerateError::code`]. Returned inside `anyhow::Error`: find it with
+/// `err.downcast_ref::<GenerateError>()`; any other error is an internal failure.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GenerateError {
+    /// The prompt renders to no tokens, or the conversation has no messages. Code `prompt_empty`.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// Prompt plus `max_tokens` do not fit in the context. Code `context_length_exceeded`.
+    #[error(
+        "the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the \
+         model's context length of {context_length} tokens"
+    )]
+    ContextOverflow {
+        /// Tokens in the rendered prompt.
+        prompt_tokens: usize,
+        /// The requested `max_tokens`.
+        max_tokens: usize,
+        /// [`Llm::context_length`].
+        context_length: usize,
+    },
+    /// An option is out of its documented range. Code `invalid_options`.
+    #[error("invalid generation options: {0}")]
+    InvalidOptions(String),
+    /// The progress callback asked to stop. Code `canceled`.
+    #[error("generation was canceled")]
+    Canceled,
+}
+
+impl GenerateError {
+    /// Stable machine-readable code: `prompt_empty`, `context_length_exceeded`,
+    /// `invalid_options` or `canceled`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            GenerateError::EmptyPrompt => "prompt_empty",
+            GenerateError::ContextOverflow { .. } => "context_length_exceeded",
+            GenerateError::InvalidOptions(_) => "invalid_options",
+            GenerateError::Canceled => "canceled",
+        }
+    }
+}
+
+/// A loaded model with its tokenizer.
+pub struct Llm {
+    /// Weights with an empty KV cache. Each request works on a clone: the tensors are shared
+    /// (reference counted), while the KV cache and the attention-mask cache (which
+    /// `quantized_llama` keeps per prompt length and never clears) die with the request.
+    weights: ModelWeights,
+    tokenizer: Tokenizer,
+    device: Device,
+    /// Tokens that end the answer: `<|im_end|>` and the metadata's EOS.
+    end_ids: Vec<u32>,
+    context_length: usize,
+    weights_bytes: u64,
+}
+
+impl Llm {
+    /// Loads `model.gguf` from the folder `dir_or_file`, or the `.gguf` file it names, onto
+    /// `device`.
+    ///
+    /// Supports llama-architecture GGUFs whose vocabulary is GPT-2 style byte-level BPE
+    /// (`tokenizer.ggml.model = "gpt2"`); the pre-tokenizer is SmolLM's (single digits, then
+    /// byte-level without a prefix space), so other BPE vocabularies may tokenise differently.
+    pub fn load_gguf(dir_or_file: &Path, device: &Device) -> Result<Llm> {
+        let path = if dir_or_file.is_dir() {
+            dir_or_file.join("model.gguf")
+        } else {
+            dir_or_file.to_path_buf()
+        };
+        let file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        // The header holds ~100k small strings (vocabulary and merges): buffer the reads.
+        let mut reader = BufReader::new(file);
+        let content = Content::read(&mut reader)
+            .with_context(|| format!("reading the GGUF header of {}", path.display()))?;
+
+        let arch = metadata_str(&content, "general.architecture").unwrap_or("");
+        if arch != "llama" {
+            bail!(
+                "{}: architecture {arch:?} is not supported, only \"llama\"",
+                path.display()
+            );
+        }
+        let tokenizer = tokenizer_from_gguf(&content)
+            .with_context(|| format!("building the tokenizer from {}", path.display()))?;
+
+        let mut end_ids = Vec::new();
+        if let Some(id) = tokenizer.token_to_id("<|im_end|>") {
+            end_ids.push(id);
+        }
+        if let Some(id) = metadata_int(&content, "tokenizer.ggml.eos_token_id") {
+            let id = u32::try_from(id).context("tokenizer.ggml.eos_token_id out of range")?;
+            if !end_ids.contains(&id) {
+                end_ids.push(id);
+            }
+        }
+        if end_ids.is_empty() {
+            bail!(
+                "{}: neither <|im_end|> nor tokenizer.ggml.eos_token_id is defined, generation \
+                 could not end before max_tokens",
+                path.display()
+            );
+        }
+
+        // The RoPE tables of quantized_llama stop at MAX_SEQ_LEN (4096) positions, below
+        // SmolLM2's stated 8192: positions past them would fail, so they are not offered.
+        let context_length = metadata_int(&content, "llama.context_length")
+            .and_then(|v| usize::try_from(v).ok())
+            .unwrap_or(DEFAULT_CONTEXT_LENGTH)
+            .min(MAX_SEQ_LEN);
+        let weights_bytes = resident_bytes(&content);
+
+        let weights = ModelWeights::from_gguf(content, &mut reader, device)
+            .with_context(|| format!("loading the weights of {}", path.display()))?;
+        Ok(Llm {
+            weights,
+            tokenizer,
+            device: device.clone(),
+            end_ids,
+            context_length,
+            weights_bytes,
+        })
+    }
+
+    /// Tokens of `prompt` once rendered (template included for [`Prompt::Chat`]), the figure
+    /// [`Generation::prompt_tokens`] reports and the context check uses.
+    pub fn count_tokens(&self, prompt: &Prompt) -> Result<usize> {
+        Ok(self.prompt_ids(prompt)?.len())
+    }
+
+    /// Most tokens a request may span, prompt plus `max_tokens`: the metadata's
+    /// `llama.context_length` (default [`DEFAULT_CONTEXT_LENGTH`], 2048), capped at 4096, the
+    /// longest candle's `quantized_llama` supports.
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    /// Approximate memory the weights take once loaded, in bytes: the tensors as stored in
+    /// the file, plus the f32 copy of the token embeddings that candle makes for the lookup.
+    /// The per-request KV cache is not included (about 46 KB per token for SmolLM2-135M:
+    /// 30 layers x keys and values x 3 heads x 64 floats).
+    pub fn weights_bytes(&self) -> u64 {
+        self.weights_bytes
+    }
+
+    /// Token ids of `text`, without a template. Special tokens written in the text (such as
+    /// `<|im_end|>`) become their ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenizing: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Text of `ids`; special tokens are left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| anyhow!("detokenizing: {e}"))
+    }
+
+    /// Generates a continuation of `prompt`.
+    ///
+    /// `on_text` is called after each generated token with the text so far and the number of
+    /// tokens generated so far; returning `false` cancels the request, which then fails with
+    /// [`GenerateError::Canceled`]. The text it is given never shrinks and is always a prefix
+    /// of the final [`Generation::text`]: an unfinished UTF-8 character, or a tail that could
+    /// be the beginning of a stop sequence, is held back until it is settled, so some calls
+    /// may repeat the previous text.
+    ///
+    /// Errors: [`GenerateError`] for a request that cannot be served (empty prompt, prompt
+    /// plus `max_tokens` over [`Llm::context_length`], options out of range, canceled);
+    /// anything else is an internal failure of the model.
+    pub fn generate(
+        &self,
+        prompt: &Prompt,
+        opts: &GenerateOptions,
+        on_text: &mut dyn FnMut(&str, usize) -> bool,
+    ) -> Result<Generation> {
+        opts.validate()?;
+        if matches!(prompt, Prompt::Chat(m) if m.is_empty()) {
+            return Err(GenerateError::EmptyPrompt.into());
+        }
+        let prompt_ids = self.prompt_ids(prompt)?;
+        let prompt_tokens = prompt_ids.len();
+        if prompt_tokens == 0 {
+            return Err(GenerateError::EmptyPrompt.into());
+        }
+        if prompt_tokens + opts.max_tokens > self.context_length {
+            return Err(GenerateError::ContextOverflow {
+                prompt_tokens,
+                max_tokens: opts.max_tokens,
+                context_length: self.context_length,
+            }
+            .into());
+        }
+
+        // A fresh KV cache per request. (quantized_llama also drops its cache when a forward
+        // starts at index_pos 0, but the mask cache would keep growing across requests.)
+        let mut model = self.weights.clone();
+        let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
+
+        let mut logits = None;
+        for (i, chunk) in prompt_ids.chunks(PREFILL_CHUNK).enumerate() {
+            let input = Tensor::new(chunk, &self.device)?.unsqueeze(0)?;
+            logits = Some(model.forward(&input, i * PREFILL_CHUNK)?);
+        }
+        let mut logits = logits.context("no prompt tokens")?;
+
+        let max_stop = opts.stop.iter().map(String::len).max().unwrap_or(0);
+        let mut generated: Vec<u32> = Vec::with_capacity(opts.max_tokens);
+        let mut text = IncrementalText::default();
+        // Length of the text already searched for stop sequences and found settled.
+        let mut searched: usize = 0;
+        let mut finish_reason = FinishReason::Length;
+        let mut stop_at = None;
+        while generated.len() < opts.max_tokens {
+            // forward gives (batch, vocab) logits for the last position.
+            let next = sampler.sample(&logits.squeeze(0)?)?;
+            if self.end_ids.contains(&next) {
+                finish_reason = FinishReason::Stop;
+                break;
+            }
+            generated.push(next);
+            let so_far = text.update(&self.tokenizer, &generated)?;
+
+            // A new match must end in the new text, so it starts at most max_stop - 1 bytes
+            // before it.
+            let mut from = searched.saturating_sub(max_stop);
+            while !so_far.is_char_boundary(from) {
+                from -= 1;
+            }
+            if let Some(at) = find_stop(so_far, from, &opts.stop) {
+                stop_at = Some(at);
+                finish_reason = FinishReason::Stop;
+                break;
+            }
+            searched = so_far.trim_end_matches(REPLACEMENT).len();
+
+            if !on_text(&so_far[..settled_len(so_far, &opts.stop)], generated.len()) {
+                return Err(GenerateError::Canceled.into());
+            }
+            if generated.len() == opts.max_tokens {
+                // The logits of one more position would not be used.
+                break;
+            }
+            let input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
+            // Prompt positions are 0..prompt_tokens; generated[k] sits at prompt_tokens + k.
+            logits = model.forward(&input, prompt_tokens + generated.len() - 1)?;
+        }
+
+        let mut text = text.into_string();
+        if let Some(at) = stop_at {
+            text.truncate(at);
+        }
+        Ok(Generation {
+            text,
+            prompt_tokens,
+            completion_tokens: generated.len(),
+            finish_reason,
+        })
+    }
+
+    /// Token ids of the rendered prompt.
+    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Text(text) => self.encode(text),
+            Prompt::Chat(messages) => self.encode(&self.render_chat(messages)),
+        }
+    }
+
+    /// ChatML with the generation prompt. SmolLM2's own template also inserts a default system
+    /// message ("You are a helpful AI assistant named SmolLM...") when none is given; the
+    /// Q4_1 135M model answers that prompt badly (it drifts into French for "What is the capital
+    /// of France?"), so none is added: callers give a system message when they want one.
+    fn render_chat(&self, messages: &[ChatMessage]) -> String {
+        let mut out = String::new();
+        let mut turn = |role: &str, content: &str| {
+            out.push_str("<|im_start|>");
+            out.push_str(role);
+            out.push('\n');
+            out.push_str(content);
+            out.push_str("<|im_end|>\n");
+        };
+        for m in messages {
+            turn(m.role.as_str(), m.content.as_str());
+        }
+        out.push_str("<|im_start|>assistant\n");
+        out
+    }
+}
+
+/// Decodes the generated ids step by step. Only the ids after the last point where the text
+/// was complete UTF-8 are decoded again, so each step costs the new tokens, not the whole
+/// answer; the result equals decoding all ids at once because the byte-level decoder only
+/// concatenates bytes, and the split falls on a character boundary.
+#[derive(Default)]
+struct IncrementalText {
+    text: String,
+    /// `text[..settled_bytes]` is the decoding of `ids[..settled_ids]`, ending on a whole
+    /// character.
+    settled_bytes: usize,
+    settled_ids: usize,
+}
+
+impl IncrementalText {
+    fn update(&mut self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<&str> {
+        let tail = tokenizer
+            .decode(&ids[self.settled_ids..], true)
+            .map_err(|e| anyhow!("detokenizing: {e}"))?;
+        self.text.truncate(self.settled_bytes);
+        self.text.push_str(&tail);
+        // A trailing U+FFFD is (almost always) a character whose last bytes are still to come.
+        if !tail.ends_with(REPLACEMENT) {
+            self.settled_bytes = self.text.len();
+            self.settled_ids = ids.len();
+        }
+        Ok(self.text.as_str())
+    }
+
+    fn into_string(self) -> String {
+        self.text
+    }
+}
+
+/// Byte offset of the earliest stop sequence that occurs in `text[from..]`.
+fn find_stop(text: &str, from: usize, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
+        .min()
+}
+
+/// Length of the part of `text` that later tokens cannot take back: without a trailing
+/// unfinished character and without a tail that is the beginning of a stop sequence.
+fn settled_len(text: &str, stops: &[String]) -> usize {
+    let head = text.trim_end_matches(REPLACEMENT);
+    let held = stops
+        .iter()
+        .flat_map(|stop| stop.char_indices().skip(1).map(move |(i, _)| &stop[..i]))
+        .filter(|prefix| head.ends_with(prefix))
+        .map(str::len)
+        .max()
+        .unwrap_or(0);
+    head.len() - held
+}
+
+/// The BPE tokenizer described by the `tokenizer.ggml.*` metadata, set up as SmolLM2's
+/// `tokenizer.json`: digits split one by one, then GPT-2 byte-level pre-tokenisation without a
+/// prefix space, byte-level decoding, and the control tokens (token type 3) as special tokens.
+fn tokenizer_from_gguf(content: &Content) -> Result<Tokenizer> {
+    match metadata_str(content, "tokenizer.ggml.model") {
+        Some("gpt2") => {}
+        other => {
+            bail!("tokenizer.ggml.model is {other:?}, only \"gpt2\" (byte-level BPE) is supported")
+        }
+    }
+    let tokens: Vec<&str> = metadata_array(content, "tokenizer.ggml.tokens")?
+        .iter()
+        .map(|v| v.to_string().map(String::as_str))
+        .collect::<candle_core::Result<_>>()
+        .context("tokenizer.ggml.tokens")?;
+    let merges: Vec<(String, String)> = metadata_array(content, "tokenizer.ggml.merges")?
+        .iter()
+        .map(|v| -> Result<(String, String)> {
+            let merge = v.to_string().context("tokenizer.ggml.merges")?;
+            // Byte-level tokens spell a space as 'Ġ', so the one space is the separator.
+            let (a, b) = merge
+                .split_once(' ')
+                .with_context(|| format!("malformed merge {merge:?}"))?;
+            Ok((a.to_string(), b.to_string()))
+        })
+        .collect::<Result<_>>()?;
+    // Absent types: no special tokens; decoding then keeps control tokens as text.
+    let types: Vec<i64> = match content.metadata.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()
+            .context("tokenizer.ggml.token_type")?
+            .iter()
+            .map(|t| value_int(t).context("tokenizer.ggml.token_type holds a non-integer"))
+            .collect::<Result<_>>()?,
+        None => Vec::new(),
+    };
+
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| (t.to_string(), id as u32))
+        .collect();
+    if vocab.len() != tokens.len() {
+        // The id of a repeated token would be lost for decoding.
+        bail!("tokenizer.ggml.tokens holds repeated tokens");
+    }
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| anyhow!("building the BPE model: {e}"))?;
+
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![
+        Digits::new(true).into(),
+        ByteLevel::new(false, true, true).into(),
+    ])));
+    tokenizer.with_decoder(Some(ByteLevel::default()));
+    // GGUF token type 3 is "control": <|im_start|>, <|im_end|>, <|endoftext|>, ...
+    let specials: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|(_, t)| **t == 3)
+        .map(|(tok, _)| AddedToken::from(tok.to_string(), true))
+        .collect();
+    tokenizer.add_special_tokens(&specials);
+    Ok(tokenizer)
+}
+
+/// Memory the loaded weights take (see [`Llm::weights_bytes`]).
+fn resident_bytes(content: &Content) -> u64 {
+    let stored = |name: &str| {
+        content.tensor_infos.get(name).map_or(0, |info| {
+            let dtype = info.ggml_dtype;
+            (info.shape.elem_count() / dtype.block_size() * dtype.type_size()) as u64
+        })
+    };
+    let mut total: u64 = content.tensor_infos.keys().map(|name| stored(name)).sum();
+    if let Some(info) = content.tensor_infos.get("token_embd.weight") {
+        // from_gguf dequantizes the embeddings to f32 for the lookup...
+        total += info.shape.elem_count() as u64 * 4;
+        // ...and keeps the quantized copy only as the output matrix of tied-embedding models.
+        if content.tensor_infos.contains_key("output.weight") {
+            total -= stored("token_embd.weight");
+        }
+    }
+    total
+}
+
+fn metadata_str<'a>(content: &'a Content, key: &str) -> Option<&'a str> {
+    content
+        .metadata
+        .get(key)
+        .and_then(|v| v.to_string().ok())
+        .map(String::as_str)
+}
+
+fn metadata_array<'a>(content: &'a Content, key: &str) -> Result<&'a Vec<Value>> {
+    content
+        .metadata
+        .get(key)
+        .with_context(|| format!("{key} is missing from the GGUF metadata"))?
+        .to_vec()
+        .with_context(|| format!("{key} is not an array"))
+}
+
+fn metadata_int(content: &Content, key: &str) -> Option<i64> {
+    content.metadata.get(key).and_then(value_int)
+}
+
+/// Any GGUF integer type: writers differ in the width they pick for ids and counts.
+fn value_int(v: &Value) -> Option<i64> {
+    match *v {
+        Value::U8(x) => Some(x.into()),
+        Value::I8(x) => Some(x.into()),
+        Value::U16(x) => Some(x.into()),
+        Value::I16(x) => Some(x.into()),
+        Value::U32(x) => Some(x.into()),
+        Value::I32(x) => Some(x.into()),
+        Value::U64(x) => i64::try_from(x).ok(),
+        Value::I64(x) => Some(x),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stops(s: &[&str]) -> Vec<String> {
+        s.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn settled_len_holds_back_stop_prefixes_and_unfinished_chars() {
+        let s = stops(&["\n\n", "END"]);
+        assert_eq!(settled_len("abc", &s), 3);
+        assert_eq!(settled_len("abc\n", &s), 3);
+        assert_eq!(settled_len("abcEN", &s), 3);
+        assert_eq!(settled_len("abcE", &s), 3);
+        assert_eq!(settled_len("abc\u{FFFD}", &s), 3);
+        assert_eq!(settled_len("a\u{FFFD}b", &s), 5);
+        assert_eq!(settled_len("abc", &[]), 3);
+    }
+
+    #[test]
+    fn find_stop_takes_the_earliest_match() {
+        let s = stops(&["lo", "he"]);
+        assert_eq!(find_stop("the hello", 0, &s), Some(1));
+        assert_eq!(find_stop("the hello", 2, &s), Some(4));
+        assert_eq!(find_stop("the hello", 8, &s), None);
+    }
+
+    #[test]
+    fn options_are_checked() {
+        assert!(GenerateOptions::default().validate().is_ok());
+        let with = |change: fn(&mut GenerateOptions)| {
+            let mut o = GenerateOptions::default();
+            change(&mut o);
+            o
+        };
+        let bad = [
+            with(|o| o.max_tokens = 0),
+            with(|o| o.temperature = -0.1),
+            with(|o| o.temperature = f64::NAN),
+            with(|o| o.top_p = Some(0.0)),
+            with(|o| o.top_p = Some(1.5)),
+            with(|o| o.stop = stops(&["a", "b", "c", "d", "e"])),
+            with(|o| o.stop = stops(&[""])),
+        ];
+        for o in bad {
+            assert_eq!(o.validate().unwrap_err().code(), "invalid_options", "{o:?}");
+        }
+    }
+
+    #[test]
+    fn finish_reason_serialises_lowercase() {
+        assert_eq!(
+            serde_json::to_string(&FinishReason::Stop).unwrap(),
+            "\"stop\""
+        );
+        assert_eq!(
+            serde_json::to_string(&FinishReason::Length).unwrap(),
+            "\"length\""
+        );
+    }
+}

@@ -1,0 +1,114 @@
+//! Text generation through the whole service: API, queue, worker (SmolLM2 GGUF on candle), S3.
+
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use tern_e2e::Cluster;
+use uuid::Uuid;
+
+async fn finished(cluster: &Cluster, id: Uuid) -> Value {
+    let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
+    assert_eq!(job["state"], "succeeded", "{job}");
+    let stored: Value = reqwest::get(job["output"]["url"].as_str().unwrap()).await.unwrap().json().await.unwrap();
+    tern_jobs::schemas::validate_output(tern_jobs::JobKind::Generate, &stored).unwrap();
+    assert_eq!(job["output"]["inline"], stored, "the inline copy is the stored output");
+    stored
+}
+
+fn chat(question: &str) -> Value {
+    json!([{"role": "user", "content": question}])
+}
+
+#[tokio::test]
+async fn generation_is_deterministic_and_stops_where_asked() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let story = chat("Write a short story about a lighthouse keeper.");
+    let jobs = vec![
+        // 0, 1: same seed, sampled: the same text.
+        json!({"kind": "generate", "input": {"messages": story, "temperature": 0.8, "seed": 7, "max_tokens": 40}}),
+        json!({"kind": "generate", "input": {"messages": story, "temperature": 0.8, "seed": 7, "max_tokens": 40}}),
+        // 2: greedy answer that ends at <|im_end|>.
+        json!({"kind": "generate", "input": {"messages": chat("What is the capital of France?"), "temperature": 0, "max_tokens": 64}}),
+        // 3: max_tokens.
+        json!({"kind": "generate", "input": {"messages": story, "temperature": 0, "max_tokens": 5}}),
+        // 4: the greedy answer of 2, cut at a stop sequence.
+        json!({"kind": "generate", "input": {"messages": chat("What is the capital of France?"), "temperature": 0, "max_tokens": 64, "stop": ["Paris"]}}),
+        // 5: a raw prompt.
+        json!({"kind": "generate", "input": {"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 8}}),
+    ];
+    let ids = cluster.submit_all(&jobs).await.unwrap();
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    let counts = cluster.wait_terminal(&ids, Duration::from_secs(180)).await.unwrap();
+    assert_eq!(counts.get("succeeded"), Some(&(ids.len() as i64)), "{counts:?}");
+    let mut out = Vec::new();
+    for id in &ids {
+        out.push(finished(&cluster, *id).await);
+    }
+    println!("{out:#?}");
+    assert_eq!(out[0]["text"], out[1]["text"], "same seed, same text");
+    assert!(!out[0]["text"].as_str().unwrap().is_empty());
+
+    let answer = out[2]["text"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "{answer}");
+    assert_eq!(out[2]["finish_reason"], "stop", "ends at <|im_end|>");
+    assert!(out[2]["usage"]["completion_tokens"].as_u64().unwrap() < 64);
+    assert!(out[2]["usage"]["prompt_tokens"].as_u64().unwrap() > 5);
+
+    assert_eq!(out[3]["finish_reason"], "length");
+    assert_eq!(out[3]["usage"]["completion_tokens"], 5);
+
+    let cut = out[4]["text"].as_str().unwrap();
+    assert_eq!(out[4]["finish_reason"], "stop");
+    assert!(!cut.contains("Paris"), "the stop sequence is not in the text: {cut}");
+    assert!(answer.starts_with(cut), "the text before the stop sequence: {cut:?} vs {answer:?}");
+
+    assert!(out[5]["text"].as_str().unwrap().contains('5'), "{}", out[5]["text"]);
+}
+
+#[tokio::test]
+async fn partial_text_shows_while_generating_and_oversized_requests_fail_cleanly() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let (status, job) = cluster
+        .post(
+            "/v1/jobs",
+            &json!({"kind": "generate", "input": {"prompt": "Here is a long list of fruits, one per line:\n", "temperature": 0, "max_tokens": 300}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{job}");
+    assert_eq!(job["cost"].as_i64().unwrap(), 300 + 12, "prompt tokens (estimated) + max_tokens");
+    let id: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+    // The prompt alone overflows the context (digits are one token each).
+    let (status, job) = cluster
+        .post("/v1/jobs", &json!({"kind": "generate", "input": {"prompt": "7".repeat(30_000), "max_tokens": 2048}}))
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{job}");
+    let too_big: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+    let (status, err) = cluster.post("/v1/jobs", &json!({"kind": "generate", "input": {"max_tokens": 5}})).await.unwrap();
+    assert_eq!((status, err["error"]["code"].as_str()), (422, Some("invalid_input")), "{err}");
+
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    let started = Instant::now();
+    let mut partial = None;
+    while started.elapsed() < Duration::from_secs(120) {
+        let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
+        if job["state"] == "running" {
+            if let Some(text) = job["progress"]["text"].as_str().filter(|t| !t.is_empty()) {
+                partial = Some((text.to_string(), job["progress"]["done"].as_u64().unwrap()));
+                break;
+            }
+        }
+        assert_ne!(job["state"], "succeeded", "finished before any partial text was seen");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (partial, done) = partial.expect("partial text while running");
+    assert!(done > 0 && done < 300, "{done}");
+    cluster.wait_terminal(&[id, too_big], Duration::from_secs(180)).await.unwrap();
+    let out = finished(&cluster, id).await;
+    assert!(out["text"].as_str().unwrap().starts_with(&partial), "the partial text is a prefix of the result");
+
+    let (_, job) = cluster.get(&format!("/v1/jobs/{too_big}")).await.unwrap();
+    assert_eq!(job["state"], "failed", "{job}");
+    assert_eq!(job["error"]["code"], "context_length_exceeded", "{job}");
+    assert_eq!(job["attempts"], 1, "not retried: {job}");
+}

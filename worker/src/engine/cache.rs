@@ -1,0 +1,275 @@
+//! The models resident in a worker: loaded on first use, kept within a memory budget, least
+//! recently used evicted first, each warmed up (and its working memory measured) on load.
+
+use super::EngineError;
+use candle_core::Device;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tern_models::embed::Embedder;
+use tern_models::generate::Llm;
+use tern_models::whisper::Whisper;
+
+/// The model families a worker runs; a batch never mixes families (or models).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// Whisper, CTranslate2 folder (`model.bin`, `config.json`, `tokenizer.json`).
+    Whisper,
+    /// BERT-family sentence encoder, Hugging Face folder (`model.safetensors`, ...).
+    Embedder,
+    /// Llama-architecture GGUF (`model.gguf`).
+    Llm,
+}
+
+pub enum Model {
+    Whisper(Whisper),
+    Embedder(Embedder),
+    Llm(Llm),
+}
+
+struct Entry {
+    model: Model,
+    family: Family,
+    bytes: u64,
+    /// Working memory per cost unit (window, token) measured at warmup.
+    unit_bytes: u64,
+    last_used: u64,
+    hits: u64,
+    load_ms: u64,
+}
+
+/// A snapshot of the cache for logs and the admin API.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CacheReport {
+    /// Bytes resident models (and their batches' working memory) may use.
+    pub budget_bytes: u64,
+    /// Bytes of weights resident now.
+    pub resident_bytes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+    pub load_failures: u64,
+    pub models: Vec<ModelReport>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelReport {
+    pub name: String,
+    pub family: Family,
+    pub bytes: u64,
+    /// Working memory per cost unit measured at warmup (bytes per window or per token).
+    pub unit_bytes: u64,
+    pub hits: u64,
+    pub load_ms: u64,
+}
+
+pub struct ModelCache {
+    dir: PathBuf,
+    device: Device,
+    budget: u64,
+    entries: HashMap<String, Entry>,
+    clock: u64,
+    report: Arc<Mutex<CacheReport>>,
+}
+
+/// Windows in the warmup batch of a Whisper model, also the most windows batched by default.
+pub const WARMUP_WINDOWS: usize = 1;
+
+impl ModelCache {
+    /// `dir`: the models directory (each model is a folder in it); `budget`: bytes.
+    pub fn new(dir: PathBuf, device: Device, budget: u64, report: Arc<Mutex<CacheReport>>) -> ModelCache {
+        report.lock().expect("not poisoned").budget_bytes = budget;
+        ModelCache { dir, device, budget, entries: HashMap::new(), clock: 0, report }
+    }
+
+    /// Bytes of the budget not held by resident weights: what batches may use.
+    pub fn free_bytes(&self) -> u64 {
+        self.budget.saturating_sub(self.resident())
+    }
+
+    fn resident(&self) -> u64 {
+        self.entries.values().map(|e| e.bytes).sum()
+    }
+
+    /// The working memory per cost unit measured when `name` was loaded, if it is resident.
+    pub fn unit_bytes(&self, name: &str) -> Option<u64> {
+        self.entries.get(name).map(|e| e.unit_bytes)
+    }
+
+    /// The model `name` (a folder under the models directory), loading it first if needed.
+    pub fn get(&mut self, family: Family, name: &str) -> Result<&mut Model, EngineError> {
+        self.clock += 1;
+        let clock = self.clock;
+        if self.entries.contains_key(name) {
+            let e = self.entries.get_mut(name).expect("checked");
+            e.last_used = clock;
+            e.hits += 1;
+            self.report.lock().expect("not poisoned").hits += 1;
+            self.publish();
+            return Ok(&mut self.entries.get_mut(name).expect("checked").model);
+        }
+        self.report.lock().expect("not poisoned").misses += 1;
+        let dir = self.dir.join(name);
+        let unavailable = |reason: String| EngineError::ModelUnavailable { model: name.to_string(), reason };
+        let estimate = estimate_bytes(family, &dir).map_err(|e| unavailable(format!("{e:#}")))?;
+        if estimate > self.budget {
+            self.report.lock().expect("not poisoned").load_failures += 1;
+            return Err(unavailable(format!(
+                "it needs about {estimate} bytes; the worker's memory budget is {} bytes (TERN_MEMORY_BUDGET)",
+                self.budget
+            )));
+        }
+        while self.resident() + estimate > self.budget {
+            self.evict_lru();
+        }
+        let started = Instant::now();
+        let loaded = load(family, &dir, &self.device).and_then(|mut model| {
+            let unit_bytes = warmup(&mut model).map_err(|e| e.context("warmup failed"))?;
+            Ok((model, unit_bytes))
+        });
+        let (model, unit_bytes) = match loaded {
+            Ok(x) => x,
+            Err(e) => {
+                self.report.lock().expect("not poisoned").load_failures += 1;
+                tracing::error!(model = %name, error = format!("{e:#}"), "model refused");
+                return Err(unavailable(format!("{e:#}")));
+            }
+        };
+        let bytes = match &model {
+            Model::Whisper(m) => m.weights_bytes(),
+            Model::Embedder(m) => m.weights_bytes(),
+            Model::Llm(m) => m.weights_bytes(),
+        };
+        let load_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(model = %name, ?family, bytes, unit_bytes, load_ms, "model loaded and warmed up");
+        self.entries.insert(
+            name.to_string(),
+            Entry { model, family, bytes, unit_bytes, last_used: clock, hits: 0, load_ms },
+        );
+        // The estimate may have been low: make room now, never evicting the model just loaded.
+        while self.resident() > self.budget && self.entries.len() > 1 {
+            self.evict_lru_except(name);
+        }
+        self.publish();
+        Ok(&mut self.entries.get_mut(name).expect("inserted").model)
+    }
+
+    fn evict_lru(&mut self) {
+        self.evict_lru_except("");
+    }
+
+    fn evict_lru_except(&mut self, keep: &str) {
+        let victim = self
+            .entries
+            .iter()
+            .filter(|(n, _)| n.as_str() != keep)
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(n, _)| n.clone());
+        if let Some(name) = victim {
+            let e = self.entries.remove(&name).expect("present");
+            tracing::info!(model = %name, bytes = e.bytes, "model evicted (least recently used) to stay within the memory budget");
+            self.report.lock().expect("not poisoned").evictions += 1;
+        }
+    }
+
+    fn publish(&self) {
+        let mut r = self.report.lock().expect("not poisoned");
+        r.resident_bytes = self.resident();
+        r.models = self
+            .entries
+            .iter()
+            .map(|(name, e)| ModelReport {
+                name: name.clone(),
+                family: e.family,
+                bytes: e.bytes,
+                unit_bytes: e.unit_bytes,
+                hits: e.hits,
+                load_ms: e.load_ms,
+            })
+            .collect();
+        r.models.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+}
+
+/// Weights' size before loading, from the files: CTranslate2 Whisper files hold F16 weights that
+/// load as F32 (twice the file); safetensors and GGUF load as stored.
+fn estimate_bytes(family: Family, dir: &Path) -> anyhow::Result<u64> {
+    use anyhow::Context;
+    let (file, factor) = match family {
+        Family::Whisper => ("model.bin", 2),
+        Family::Embedder => ("model.safetensors", 1),
+        Family::Llm => ("model.gguf", 1),
+    };
+    let path = dir.join(file);
+    let len = std::fs::metadata(&path).with_context(|| format!("reading {}", path.display()))?.len();
+    Ok(len * factor)
+}
+
+fn load(family: Family, dir: &Path, device: &Device) -> anyhow::Result<Model> {
+    Ok(match family {
+        Family::Whisper => Model::Whisper(Whisper::load_ct2(dir, device)?),
+        Family::Embedder => Model::Embedder(Embedder::load(dir, device)?),
+        Family::Llm => Model::Llm(Llm::load_gguf(dir, device)?),
+    })
+}
+
+/// Tokens in the embedding warmup batch: 8 texts of about 64 tokens.
+const EMBED_WARMUP_TEXTS: usize = 8;
+/// Tokens generated in the LLM warmup after a short prompt.
+const LLM_WARMUP_TOKENS: usize = 8;
+
+/// Runs a small batch through the model and returns the peak working memory per cost unit it
+/// took (bytes per window or per token), measured as the growth of the process's peak resident
+/// set (Linux; elsewhere a size-based figure).
+fn warmup(model: &mut Model) -> anyhow::Result<u64> {
+    let baseline = peak_rss::reset();
+    let units = match model {
+        Model::Whisper(m) => {
+            m.warmup(WARMUP_WINDOWS)?;
+            WARMUP_WINDOWS as u64
+        }
+        Model::Embedder(m) => {
+            let text = "tern warms this model up with a sentence of about sixty four tokens. ".repeat(4);
+            let texts: Vec<&str> = (0..EMBED_WARMUP_TEXTS).map(|_| text.as_str()).collect();
+            let v = m.embed(&texts)?;
+            anyhow::ensure!(v.iter().flatten().all(|x| x.is_finite()), "non-finite embedding");
+            m.count_tokens(&texts)?.iter().sum::<usize>() as u64
+        }
+        Model::Llm(m) => {
+            use tern_models::generate::{GenerateOptions, Prompt};
+            let prompt = Prompt::Text("tern warmup".into());
+            let opts = GenerateOptions { max_tokens: LLM_WARMUP_TOKENS, temperature: 0.0, ..Default::default() };
+            let g = m.generate(&prompt, &opts, &mut |_, _| true)?;
+            (g.prompt_tokens + g.completion_tokens) as u64
+        }
+    };
+    let grown = match (baseline, peak_rss::peak()) {
+        (Some(before), Some(peak)) => peak.saturating_sub(before),
+        _ => 0,
+    };
+    // A floor keeps a budget from growing without bound when the allocator reused memory.
+    Ok((grown / units.max(1)).max(64 * 1024 / units.max(1)).max(1))
+}
+
+/// Peak resident set of this process, from `/proc/self/status` (Linux).
+mod peak_rss {
+    fn field(name: &str) -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    }
+
+    /// Resets the peak to the current resident set (writes 5 to clear_refs) and returns it.
+    pub fn reset() -> Option<u64> {
+        std::fs::write("/proc/self/clear_refs", "5").ok()?;
+        field("VmRSS:")
+    }
+
+    pub fn peak() -> Option<u64> {
+        field("VmHWM:")
+    }
+}

@@ -1,0 +1,345 @@
+//! Runs the models on one dedicated OS thread, never on the async runtime's workers. Requests
+//! from the jobs in hand queue on a channel; the thread gathers the ones that can run together
+//! (transcriptions with transcriptions, embeddings with embeddings) and runs each group as one
+//! batch on a model from the [`cache::ModelCache`].
+
+pub mod cache;
+
+use cache::{CacheReport, Family, Model, ModelCache};
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+use tern_models::generate::{GenerateError, GenerateOptions, Generation, Prompt};
+use tern_models::whisper::{TranscribeOptions, Transcript};
+use tokio::sync::{mpsc as tokio_mpsc, oneshot};
+
+/// Which model folder (under the models directory) serves each family.
+#[derive(Debug, Clone)]
+pub struct ModelNames {
+    pub whisper: String,
+    pub embedder: String,
+    pub llm: String,
+}
+
+/// Limits of the batches the engine runs.
+#[derive(Debug, Clone)]
+pub struct BatchLimits {
+    /// Most Whisper windows encoded and decoded together. `None`: calibrated at load from the
+    /// memory left in the budget and the memory per window measured at warmup, at most 16.
+    pub windows: Option<usize>,
+    /// Most padded tokens of embedding texts pulled in one batch. `None`: calibrated, at most
+    /// 32768.
+    pub embed_tokens: Option<usize>,
+    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch; they run one
+    /// after another. Default 4096.
+    pub generate_tokens: usize,
+}
+
+/// Why a request could not run.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    /// The model could not be loaded (missing files, bad format, failed warmup, over the memory
+    /// budget): code `model_unavailable`.
+    #[error("model {model} could not be loaded: {reason}")]
+    ModelUnavailable { model: String, reason: String },
+    /// The model refused the input (say, `context_length_exceeded`: a prompt plus max_tokens
+    /// longer than the context); retrying cannot help.
+    #[error("{message}")]
+    Rejected { code: &'static str, message: String },
+    /// Inference failed: code `inference_failed`.
+    #[error("inference failed: {0}")]
+    Inference(String),
+}
+
+impl EngineError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            EngineError::ModelUnavailable { .. } => "model_unavailable",
+            EngineError::Rejected { code, .. } => code,
+            EngineError::Inference(_) => "inference_failed",
+        }
+    }
+
+    /// Whether retrying the job can help.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, EngineError::Rejected { .. })
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+
+enum Request {
+    Transcribe {
+        pcm: Vec<f32>,
+        options: TranscribeOptions,
+        progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
+        reply: Reply<Transcript>,
+    },
+    Embed {
+        texts: Vec<String>,
+        reply: Reply<Vec<Vec<f32>>>,
+    },
+    Generate {
+        prompt: Prompt,
+        options: GenerateOptions,
+        /// (text so far, tokens so far).
+        progress: tokio_mpsc::UnboundedSender<(String, usize)>,
+        /// Set when the job is canceled or released: generation stops at the next token.
+        stop: Arc<AtomicBool>,
+        reply: Reply<Generation>,
+    },
+}
+
+impl Request {
+    fn family(&self) -> Family {
+        match self {
+            Request::Transcribe { .. } => Family::Whisper,
+            Request::Embed { .. } => Family::Embedder,
+            Request::Generate { .. } => Family::Llm,
+        }
+    }
+}
+
+/// How long the thread waits for more requests of the same family after one arrives (reset by
+/// each arrival), so the jobs of a pulled batch, which fetch and decode their inputs in
+/// parallel, land in one model batch.
+const LINGER: Duration = Duration::from_millis(15);
+/// Longest a group is held open for late arrivals.
+const LINGER_MAX: Duration = Duration::from_millis(150);
+/// Windows per batch until the Whisper model's warmup has measured what fits.
+const DEFAULT_WINDOWS: usize = 8;
+/// Ceilings on calibrated batch sizes.
+const MAX_WINDOWS: usize = 16;
+const MAX_EMBED_TOKENS: usize = 32_768;
+
+/// Handle to the model thread. Cheap to share behind an `Arc`.
+pub struct Engine {
+    requests: mpsc::Sender<Request>,
+    pub names: ModelNames,
+    /// The model cache's state, refreshed by the thread.
+    pub report: Arc<Mutex<CacheReport>>,
+    windows: Arc<AtomicI64>,
+    embed_tokens: Arc<AtomicI64>,
+    generate_tokens: i64,
+}
+
+impl Engine {
+    /// Starts the thread; models load on first use. `budget`: bytes the resident models and
+    /// their batches may use.
+    pub fn start(models_dir: PathBuf, names: ModelNames, budget: u64, limits: BatchLimits) -> Engine {
+        let (tx, rx) = mpsc::channel::<Request>();
+        let report = Arc::new(Mutex::new(CacheReport::default()));
+        let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
+        let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
+        let thread = Thread {
+            cache: ModelCache::new(models_dir, candle_core::Device::Cpu, budget, report.clone()),
+            names: names.clone(),
+            limits: limits.clone(),
+            windows: windows.clone(),
+            embed_tokens: embed_tokens.clone(),
+            backlog: VecDeque::new(),
+        };
+        std::thread::Builder::new()
+            .name("model-engine".into())
+            .spawn(move || thread.serve(rx))
+            .expect("spawn the model thread");
+        Engine { requests: tx, names, report, windows, embed_tokens, generate_tokens: limits.generate_tokens as i64 }
+    }
+
+    /// The cost budget for one pulled batch of `family`'s jobs: windows for transcription,
+    /// padded tokens for embeddings, prompt + max tokens for generation.
+    pub fn batch_budget(&self, family: Family) -> i64 {
+        match family {
+            Family::Whisper => self.windows.load(Ordering::Relaxed),
+            Family::Embedder => self.embed_tokens.load(Ordering::Relaxed),
+            Family::Llm => self.generate_tokens,
+        }
+        .max(1)
+    }
+
+    fn send(&self, r: Request) -> Result<(), EngineError> {
+        self.requests.send(r).map_err(|_| EngineError::Inference("the model thread stopped".into()))
+    }
+
+    async fn answer<T>(rx: oneshot::Receiver<Result<T, EngineError>>) -> Result<T, EngineError> {
+        rx.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))?
+    }
+
+    /// Transcribes 16 kHz mono PCM; progress (windows done, total) arrives on `progress`.
+    pub async fn transcribe(
+        &self,
+        pcm: Vec<f32>,
+        options: TranscribeOptions,
+        progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
+    ) -> Result<Transcript, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Request::Transcribe { pcm, options, progress, reply })?;
+        Self::answer(answer).await
+    }
+
+    /// Embeds texts: one unit vector per text, in order.
+    pub async fn embed(&self, texts: Vec<String>) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Request::Embed { texts, reply })?;
+        Self::answer(answer).await
+    }
+
+    /// Generates text; (text so far, tokens so far) arrives on `progress`; raising `stop` ends
+    /// it early (the reply then holds what was generated).
+    pub async fn generate(
+        &self,
+        prompt: Prompt,
+        options: GenerateOptions,
+        progress: tokio_mpsc::UnboundedSender<(String, usize)>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<Generation, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Request::Generate { prompt, options, progress, stop, reply })?;
+        Self::answer(answer).await
+    }
+}
+
+struct Thread {
+    cache: ModelCache,
+    names: ModelNames,
+    limits: BatchLimits,
+    windows: Arc<AtomicI64>,
+    embed_tokens: Arc<AtomicI64>,
+    /// Requests that arrived while a group of another family was gathering.
+    backlog: VecDeque<Request>,
+}
+
+impl Thread {
+    fn serve(mut self, rx: mpsc::Receiver<Request>) {
+        loop {
+            let first = match self.backlog.pop_front() {
+                Some(r) => r,
+                None => match rx.recv() {
+                    Ok(r) => r,
+                    Err(_) => return,
+                },
+            };
+            let family = first.family();
+            let mut group = vec![first];
+            if family != Family::Llm {
+                // Same-family requests already waiting join; then linger for late ones.
+                let (same, other): (VecDeque<_>, VecDeque<_>) =
+                    std::mem::take(&mut self.backlog).into_iter().partition(|r| r.family() == family);
+                group.extend(same);
+                self.backlog = other;
+                let opened = Instant::now();
+                loop {
+                    let wait = LINGER.min(LINGER_MAX.saturating_sub(opened.elapsed()));
+                    match rx.recv_timeout(wait) {
+                        Ok(r) if r.family() == family => group.push(r),
+                        Ok(r) => self.backlog.push_back(r),
+                        Err(_) => break,
+                    }
+                }
+            }
+            match family {
+                Family::Whisper => self.transcribe(group),
+                Family::Embedder => self.embed(group),
+                Family::Llm => group.into_iter().for_each(|r| self.generate(r)),
+            }
+        }
+    }
+
+    /// Publishes the batch size the memory left in the budget allows.
+    fn calibrate(&self, name: &str, limit: Option<usize>, ceiling: usize, target: &AtomicI64) {
+        if limit.is_some() {
+            return;
+        }
+        if let Some(unit) = self.cache.unit_bytes(name) {
+            let fits = (self.cache.free_bytes() / unit.max(1)) as usize;
+            target.store(fits.clamp(1, ceiling) as i64, Ordering::Relaxed);
+        }
+    }
+
+    fn transcribe(&mut self, group: Vec<Request>) {
+        let mut inputs = Vec::new();
+        for r in group {
+            if let Request::Transcribe { pcm, options, progress, reply } = r {
+                inputs.push((pcm, options, progress, reply));
+            }
+        }
+        let name = self.names.whisper.clone();
+        let model = match self.cache.get(Family::Whisper, &name) {
+            Ok(Model::Whisper(m)) => m,
+            Ok(_) => unreachable!("the cache returns the family asked for"),
+            Err(e) => {
+                inputs.into_iter().for_each(|(_, _, _, reply)| drop(reply.send(Err(e.clone()))));
+                return;
+            }
+        };
+        let window_batch = self.limits.windows.unwrap_or(self.windows.load(Ordering::Relaxed) as usize);
+        let refs: Vec<(&[f32], &TranscribeOptions)> = inputs.iter().map(|(p, o, _, _)| (p.as_slice(), o)).collect();
+        let results = model.transcribe_many(&refs, window_batch, &mut |i, done, total| {
+            let _ = inputs[i].2.send((done, total));
+        });
+        tracing::info!(recordings = inputs.len(), window_batch, "transcription batch done");
+        for ((_, _, _, reply), result) in inputs.into_iter().zip(results) {
+            let _ = reply.send(result.map_err(|e| EngineError::Inference(format!("{e:#}"))));
+        }
+        self.calibrate(&name, self.limits.windows, MAX_WINDOWS, &self.windows);
+    }
+
+    fn embed(&mut self, group: Vec<Request>) {
+        let mut jobs = Vec::new();
+        for r in group {
+            if let Request::Embed { texts, reply } = r {
+                jobs.push((texts, reply));
+            }
+        }
+        let name = self.names.embedder.clone();
+        let model = match self.cache.get(Family::Embedder, &name) {
+            Ok(Model::Embedder(m)) => m,
+            Ok(_) => unreachable!("the cache returns the family asked for"),
+            Err(e) => {
+                jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
+                return;
+            }
+        };
+        // One pass over every job's texts: the embedder sorts them by length across jobs.
+        let all: Vec<&str> = jobs.iter().flat_map(|(t, _)| t.iter().map(String::as_str)).collect();
+        match model.embed(&all) {
+            Ok(vectors) => {
+                let mut vectors = vectors.into_iter();
+                for (texts, reply) in jobs {
+                    let mine: Vec<_> = vectors.by_ref().take(texts.len()).collect();
+                    let _ = reply.send(Ok(mine));
+                }
+            }
+            Err(e) => {
+                let e = EngineError::Inference(format!("{e:#}"));
+                jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
+            }
+        }
+        self.calibrate(&name, self.limits.embed_tokens, MAX_EMBED_TOKENS, &self.embed_tokens);
+    }
+
+    fn generate(&mut self, r: Request) {
+        let Request::Generate { prompt, options, progress, stop, reply } = r else { return };
+        let name = self.names.llm.clone();
+        let model = match self.cache.get(Family::Llm, &name) {
+            Ok(Model::Llm(m)) => m,
+            Ok(_) => unreachable!("the cache returns the family asked for"),
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        let result = model.generate(&prompt, &options, &mut |text, tokens| {
+            let _ = progress.send((text.to_string(), tokens));
+            !stop.load(Ordering::Relaxed)
+        });
+        let result = result.map_err(|e| match e.downcast_ref::<GenerateError>() {
+            // A stop is seen by the job itself; the rest are the input's fault.
+            Some(g) if *g != GenerateError::Canceled => EngineError::Rejected { code: g.code(), message: g.to_string() },
+            _ => EngineError::Inference(format!("{e:#}")),
+        });
+        let _ = reply.send(result);
+    }
+}

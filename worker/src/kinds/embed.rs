@@ -1,0 +1,34 @@
+//! `embed`: sentence embeddings. See `schemas/embed.input.json`.
+//!
+//! The texts go to the model thread, which runs them together with the texts of the other
+//! embed jobs that arrive with them. The output (one unit vector per text) is stored in S3 and
+//! inlined in the job when under 64 KiB.
+
+use super::{engine_failure, json_output, permanent, Context, Execution};
+use serde_json::json;
+use tern_jobs::Job;
+
+pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
+    let Some(engine) = ctx.engine else {
+        return permanent("model_unavailable", "this worker has no model engine");
+    };
+    let texts: Vec<String> = match job.input.get("texts").and_then(|t| serde_json::from_value(t.clone()).ok()) {
+        Some(t) => t,
+        None => return permanent("invalid_input", "input.texts must be an array of strings"),
+    };
+    if ctx.stop.reason().is_some() {
+        return Execution::Stopped;
+    }
+    let vectors = match engine.embed(texts).await {
+        Ok(v) => v,
+        Err(e) => return engine_failure(&e),
+    };
+    if ctx.stop.reason().is_some() {
+        return Execution::Stopped;
+    }
+    json_output(&json!({
+        "model": engine.names.embedder,
+        "dimensions": vectors.first().map_or(0, Vec::len),
+        "embeddings": vectors,
+    }))
+}

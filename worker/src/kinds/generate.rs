@@ -1,0 +1,81 @@
+//! `generate`: text generation. See `schemas/generate.input.json`.
+//!
+//! Runs on the model thread one job at a time; the text generated so far is published as the
+//! job's progress (at most every 200 ms) so GET shows it while it runs. A cancel or a release
+//! stops generation at the next token.
+
+use super::{engine_failure, json_output, permanent, Context, Execution};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tern_jobs::Job;
+use tern_models::generate::{ChatMessage, GenerateOptions, Prompt};
+
+/// Shortest interval between two progress writes to Redis.
+const PROGRESS_EVERY: Duration = Duration::from_millis(200);
+
+fn options(input: &Value) -> GenerateOptions {
+    let defaults = GenerateOptions::default();
+    GenerateOptions {
+        max_tokens: input.get("max_tokens").and_then(Value::as_u64).map_or(defaults.max_tokens, |n| n as usize),
+        temperature: input.get("temperature").and_then(Value::as_f64).unwrap_or(defaults.temperature),
+        top_p: input.get("top_p").and_then(Value::as_f64).or(defaults.top_p),
+        seed: input.get("seed").and_then(Value::as_u64).unwrap_or(defaults.seed),
+        stop: input
+            .get("stop")
+            .and_then(|s| serde_json::from_value(s.clone()).ok())
+            .unwrap_or(defaults.stop),
+    }
+}
+
+pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
+    let Some(engine) = ctx.engine else {
+        return permanent("model_unavailable", "this worker has no model engine");
+    };
+    let input = &job.input;
+    let prompt = match (input.get("prompt").and_then(Value::as_str), input.get("messages")) {
+        (Some(p), None) => Prompt::Text(p.to_string()),
+        (None, Some(m)) => match serde_json::from_value::<Vec<ChatMessage>>(m.clone()) {
+            Ok(m) => Prompt::Chat(m),
+            Err(e) => return permanent("invalid_input", format!("input.messages: {e}")),
+        },
+        _ => return permanent("invalid_input", "give exactly one of input.prompt and input.messages"),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<(String, usize)>();
+    let max_tokens = options(input).max_tokens;
+    let report = async {
+        let mut last = Instant::now() - PROGRESS_EVERY;
+        while let Some((mut text, mut tokens)) = progress_rx.recv().await {
+            // Only the newest state matters.
+            while let Ok((t, n)) = progress_rx.try_recv() {
+                (text, tokens) = (t, n);
+            }
+            if ctx.stop.reason().is_some() {
+                stop.store(true, Ordering::Relaxed);
+            }
+            if last.elapsed() < PROGRESS_EVERY {
+                continue;
+            }
+            last = Instant::now();
+            if let Err(e) = ctx.queue.set_progress_text(job.kind, job.id, tokens as u64, max_tokens as u64, &text).await {
+                tracing::warn!(error = %e, "could not record progress");
+            }
+        }
+    };
+    let (generation, ()) = tokio::join!(engine.generate(prompt, options(input), progress_tx, stop.clone()), report);
+    if ctx.stop.reason().is_some() {
+        return Execution::Stopped;
+    }
+    let generation = match generation {
+        Ok(g) => g,
+        Err(e) => return engine_failure(&e),
+    };
+    json_output(&json!({
+        "model": engine.names.llm,
+        "text": generation.text,
+        "finish_reason": generation.finish_reason,
+        "usage": { "prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens },
+    }))
+}

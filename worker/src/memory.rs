@@ -1,0 +1,53 @@
+//! The worker's memory budget: parsed from config or derived from the RAM available.
+
+/// Headroom left to the rest of the process and the machine when the budget is derived.
+const HEADROOM: u64 = 1 << 30;
+/// Smallest derived budget.
+const MIN_BUDGET: u64 = 256 << 20;
+
+/// Parses `2GiB`, `800MB`, `512M`, `1.5G` or a plain number of bytes. Decimal units (KB, MB,
+/// GB) are powers of 1000; binary ones (KiB, MiB, GiB, or K, M, G alone) powers of 1024.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let number: f64 = number.parse().map_err(|_| format!("{s:?} is not a size like 2GiB or 800MB"))?;
+    let factor: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?}; use B, KB, MB, GB, KiB, MiB or GiB")),
+    };
+    Ok((number * factor as f64) as u64)
+}
+
+/// MemAvailable minus [`HEADROOM`], at least [`MIN_BUDGET`]; 4 GiB where /proc/meminfo is missing.
+pub fn default_budget() -> u64 {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+    });
+    match available {
+        Some(bytes) => bytes.saturating_sub(HEADROOM).max(MIN_BUDGET),
+        None => 4 << 30,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("800MB").unwrap(), 800_000_000);
+        assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+    }
+}
