@@ -231,3 +231,38 @@ async fn windows_of_several_jobs_batched_together_give_the_same_text_as_each_alo
         assert_eq!(one["segments"], many["segments"]);
     }
 }
+
+#[tokio::test]
+async fn canceling_a_long_transcription_stops_it_between_windows() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let clip = tern_models::audio::decode_mono_16k(&std::fs::read(&clips()[0].0).unwrap()).unwrap();
+    let pcm: Vec<f32> = clip.iter().copied().cycle().take(16_000 * 300).collect(); // 5 min: 10 windows
+    let (status, job) = cluster
+        .post("/v1/jobs", &json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&tern_e2e::wav_16k_mono(&pcm))}}}))
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{job}");
+    let id: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+    let _w = cluster.spawn_worker(&[("TERN_TRANSCRIBE_BATCH_WINDOWS", "1")]).unwrap();
+    cluster
+        .wait_until("the first window is done", Duration::from_secs(120), || async {
+            let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await?;
+            Ok(job["progress"]["done"].as_u64().is_some_and(|d| d >= 1))
+        })
+        .await
+        .unwrap();
+    let (status, _) = cluster.post(&format!("/v1/jobs/{id}/cancel"), &json!({})).await.unwrap();
+    assert_eq!(status, 202);
+    // Ended between windows: the progress seen never reaches the tenth window.
+    let mut most = 0;
+    let job = loop {
+        let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
+        most = most.max(job["progress"]["done"].as_u64().unwrap_or(0));
+        if job["state"] != "running" {
+            break job;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(job["state"], "canceled", "{job}");
+    assert!(most < 10, "all {most} windows ran before the cancel took effect");
+}

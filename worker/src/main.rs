@@ -6,7 +6,7 @@ mod engine;
 mod file_fetch;
 mod kinds;
 mod lease_keeper;
-mod memory;
+mod resources;
 mod runner;
 mod stop;
 
@@ -17,6 +17,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use tern_jobs::config::ServiceArgs;
 use tern_jobs::{JobKind, ObjectStore, Store};
+
+// Model inference allocates and frees tensors of tens of MB per layer; glibc returns each to the
+// kernel and faults it back in (a quarter of the encoder's CPU time went to page faults).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser, Debug)]
 #[command(name = "tern-worker", version, about = "tern's worker: runs queued inference jobs in batches")]
@@ -37,8 +42,13 @@ struct Cli {
     /// Bytes the resident models and their batches may use, e.g. `2GiB`, `800MB` or a plain
     /// number. Default: available RAM (MemAvailable) minus 1 GiB of headroom, at least 256 MiB.
     /// Models beyond it are evicted, least recently used first.
-    #[arg(long, env = "TERN_MEMORY_BUDGET", value_parser = memory::parse_bytes)]
+    #[arg(long, env = "TERN_MEMORY_BUDGET", value_parser = resources::parse_bytes)]
     memory_budget: Option<u64>,
+    /// Device the models run on: `cpu`, `cuda[:N]` or `metal[:N]` (GPU devices need the worker
+    /// built with the `cuda` or `metal` cargo feature). On a GPU, set TERN_MEMORY_BUDGET to the
+    /// VRAM tern may use: the default is derived from system RAM.
+    #[arg(long, env = "TERN_DEVICE", default_value = "cpu", value_parser = resources::parse_device)]
+    device: candle_core::Device,
     /// Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory budget
     /// and the memory per window measured at warmup, at most 16.
     #[arg(long, env = "TERN_TRANSCRIBE_BATCH_WINDOWS")]
@@ -146,10 +156,11 @@ async fn main() -> anyhow::Result<()> {
         files: file_fetch::FileFetcher { objects, http: reqwest::Client::new(), max_bytes: cli.max_file_bytes },
         uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
         engine: kinds.iter().any(|k| *k != JobKind::Echo).then(|| {
-            let budget = cli.memory_budget.unwrap_or_else(memory::default_budget);
-            tracing::info!(memory_budget = budget, "model memory budget");
+            let budget = cli.memory_budget.unwrap_or_else(resources::default_budget);
+            tracing::info!(memory_budget = budget, device = ?cli.device, "models run here");
             Arc::new(engine::Engine::start(
                 expand_home(&cli.models_dir),
+                cli.device.clone(),
                 engine::ModelNames {
                     whisper: cli.whisper_model.clone(),
                     embedder: cli.embed_model.clone(),

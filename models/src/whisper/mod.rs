@@ -283,7 +283,7 @@ impl Whisper {
         opts: &TranscribeOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Transcript> {
-        self.transcribe_many(&[(pcm, opts)], DECODE_BATCH, &mut |_, done, total| progress(done, total))
+        self.transcribe_many(&[(pcm, opts)], DECODE_BATCH, &|_| false, &mut |_, done, total| progress(done, total))
             .pop()
             .expect("one result per input")
     }
@@ -293,12 +293,15 @@ impl Whisper {
     /// recording's transcript is the same as [`Whisper::transcribe`] gives for it alone: windows
     /// keep their own sampling seeds and the rows of a batch do not interact.
     /// `progress(input, done_windows, total_windows)` is called once per window.
+    /// `canceled(input)` is asked before each batch of windows: a canceled input's remaining
+    /// windows are skipped and its result is an error.
     /// One result per input, in order; an input that fails (say, an unknown language code) does
     /// not fail the others.
     pub fn transcribe_many(
         &mut self,
         inputs: &[(&[f32], &TranscribeOptions)],
         window_batch: usize,
+        canceled: &dyn Fn(usize) -> bool,
         progress: &mut dyn FnMut(usize, usize, usize),
     ) -> Vec<Result<Transcript>> {
         let sr = m::SAMPLE_RATE;
@@ -320,7 +323,12 @@ impl Whisper {
             .flat_map(|(i, it)| (0..it.total).map(move |w| (i, w)))
             .collect();
         for chunk in windows.chunks(window_batch.max(1)) {
-            // A failed input's remaining windows are skipped.
+            for &(i, _) in chunk {
+                if items[i].error.is_none() && canceled(i) {
+                    items[i].error = Some(anyhow!("canceled"));
+                }
+            }
+            // A failed or canceled input's remaining windows are skipped.
             let chunk: Vec<(usize, usize)> =
                 chunk.iter().copied().filter(|&(i, _)| items[i].error.is_none()).collect();
             if chunk.is_empty() {

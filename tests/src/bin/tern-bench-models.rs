@@ -13,6 +13,10 @@ use std::time::Instant;
 use tern_models::embed::Embedder;
 use tern_models::generate::{ChatMessage, GenerateOptions, Llm, Prompt};
 
+// The allocator the worker uses, so the figures are the worker's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(name = "tern-bench-models", version, about = "Measure embedding and generation throughput of tern's model backends")]
 struct Args {

@@ -75,6 +75,8 @@ enum Request {
         pcm: Vec<f32>,
         options: TranscribeOptions,
         progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
+        /// Set when the job is canceled or released: its remaining windows are skipped.
+        stop: Arc<AtomicBool>,
         reply: Reply<Transcript>,
     },
     Embed {
@@ -128,13 +130,13 @@ pub struct Engine {
 impl Engine {
     /// Starts the thread; models load on first use. `budget`: bytes the resident models and
     /// their batches may use.
-    pub fn start(models_dir: PathBuf, names: ModelNames, budget: u64, limits: BatchLimits) -> Engine {
+    pub fn start(models_dir: PathBuf, device: candle_core::Device, names: ModelNames, budget: u64, limits: BatchLimits) -> Engine {
         let (tx, rx) = mpsc::channel::<Request>();
         let report = Arc::new(Mutex::new(CacheReport::default()));
         let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
         let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
         let thread = Thread {
-            cache: ModelCache::new(models_dir, candle_core::Device::Cpu, budget, report.clone()),
+            cache: ModelCache::new(models_dir, device, budget, report.clone()),
             names: names.clone(),
             limits: limits.clone(),
             windows: windows.clone(),
@@ -167,15 +169,17 @@ impl Engine {
         rx.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))?
     }
 
-    /// Transcribes 16 kHz mono PCM; progress (windows done, total) arrives on `progress`.
+    /// Transcribes 16 kHz mono PCM; progress (windows done, total) arrives on `progress`;
+    /// raising `stop` skips the windows not yet started (the reply is then an error).
     pub async fn transcribe(
         &self,
         pcm: Vec<f32>,
         options: TranscribeOptions,
         progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
+        stop: Arc<AtomicBool>,
     ) -> Result<Transcript, EngineError> {
         let (reply, answer) = oneshot::channel();
-        self.send(Request::Transcribe { pcm, options, progress, reply })?;
+        self.send(Request::Transcribe { pcm, options, progress, stop, reply })?;
         Self::answer(answer).await
     }
 
@@ -261,8 +265,8 @@ impl Thread {
     fn transcribe(&mut self, group: Vec<Request>) {
         let mut inputs = Vec::new();
         for r in group {
-            if let Request::Transcribe { pcm, options, progress, reply } = r {
-                inputs.push((pcm, options, progress, reply));
+            if let Request::Transcribe { pcm, options, progress, stop, reply } = r {
+                inputs.push((pcm, options, progress, stop, reply));
             }
         }
         let name = self.names.whisper.clone();
@@ -270,17 +274,18 @@ impl Thread {
             Ok(Model::Whisper(m)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
             Err(e) => {
-                inputs.into_iter().for_each(|(_, _, _, reply)| drop(reply.send(Err(e.clone()))));
+                inputs.into_iter().for_each(|(_, _, _, _, reply)| drop(reply.send(Err(e.clone()))));
                 return;
             }
         };
         let window_batch = self.limits.windows.unwrap_or(self.windows.load(Ordering::Relaxed) as usize);
-        let refs: Vec<(&[f32], &TranscribeOptions)> = inputs.iter().map(|(p, o, _, _)| (p.as_slice(), o)).collect();
-        let results = model.transcribe_many(&refs, window_batch, &mut |i, done, total| {
+        let refs: Vec<(&[f32], &TranscribeOptions)> = inputs.iter().map(|(p, o, ..)| (p.as_slice(), o)).collect();
+        let canceled = |i: usize| inputs[i].3.load(Ordering::Relaxed);
+        let results = model.transcribe_many(&refs, window_batch, &canceled, &mut |i, done, total| {
             let _ = inputs[i].2.send((done, total));
         });
         tracing::info!(recordings = inputs.len(), window_batch, "transcription batch done");
-        for ((_, _, _, reply), result) in inputs.into_iter().zip(results) {
+        for ((.., reply), result) in inputs.into_iter().zip(results) {
             let _ = reply.send(result.map_err(|e| EngineError::Inference(format!("{e:#}"))));
         }
         self.calibrate(&name, self.limits.windows, MAX_WINDOWS, &self.windows);

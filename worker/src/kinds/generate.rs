@@ -6,7 +6,7 @@
 
 use super::{engine_failure, json_output, permanent, Context, Execution};
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tern_jobs::Job;
@@ -52,9 +52,6 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             while let Ok((t, n)) = progress_rx.try_recv() {
                 (text, tokens) = (t, n);
             }
-            if ctx.stop.reason().is_some() {
-                stop.store(true, Ordering::Relaxed);
-            }
             if last.elapsed() < PROGRESS_EVERY {
                 continue;
             }
@@ -64,7 +61,11 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             }
         }
     };
-    let (generation, ()) = tokio::join!(engine.generate(prompt, options(input), progress_tx, stop.clone()), report);
+    let work = async { tokio::join!(engine.generate(prompt, options(input), progress_tx, stop.clone()), report) };
+    let (generation, ()) = tokio::select! {
+        out = work => out,
+        _ = super::forward_stop(ctx.stop, &stop) => unreachable!("never resolves"),
+    };
     if ctx.stop.reason().is_some() {
         return Execution::Stopped;
     }

@@ -69,6 +69,14 @@ pub fn json_output(body: &serde_json::Value) -> Execution {
     }
 }
 
+/// Raises `flag` (which the model thread reads) once the job's stop signal is raised; never
+/// resolves, so it can run beside the work in a `select!`.
+pub async fn forward_stop(stop: &StopSignal, flag: &std::sync::atomic::AtomicBool) {
+    stop.raised().await;
+    flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    std::future::pending::<()>().await
+}
+
 pub async fn execute(job: &Job, ctx: &Context<'_>) -> Execution {
     match job.kind {
         tern_jobs::JobKind::Echo => echo::run(job, ctx).await,

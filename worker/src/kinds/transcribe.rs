@@ -53,14 +53,19 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             }
         }
     };
-    let (transcript, ()) = tokio::join!(engine.transcribe(pcm, options, progress_tx), report);
-    let transcript = match transcript {
-        Ok(t) => t,
-        Err(e) => return engine_failure(&e),
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let work = async { tokio::join!(engine.transcribe(pcm, options, progress_tx, stop.clone()), report) };
+    let (transcript, ()) = tokio::select! {
+        out = work => out,
+        _ = super::forward_stop(ctx.stop, &stop) => unreachable!("never resolves"),
     };
     if ctx.stop.reason().is_some() {
         return Execution::Stopped;
     }
+    let transcript = match transcript {
+        Ok(t) => t,
+        Err(e) => return engine_failure(&e),
+    };
     let body = json!({
         "text": transcript.text,
         "language": transcript.language,

@@ -1,4 +1,5 @@
-//! The worker's memory budget: parsed from config or derived from the RAM available.
+//! The worker's compute device and memory budget: parsed from config, or derived from the RAM
+//! available.
 
 /// Headroom left to the rest of the process and the machine when the budget is derived.
 const HEADROOM: u64 = 1 << 30;
@@ -37,6 +38,22 @@ pub fn default_budget() -> u64 {
     }
 }
 
+/// Parses `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N` into a candle device. A GPU device
+/// needs the worker built with the matching cargo feature (`cuda`, `metal`); otherwise this
+/// fails with candle's "not compiled with ... support".
+pub fn parse_device(s: &str) -> Result<candle_core::Device, String> {
+    let (kind, ordinal) = match s.trim().split_once(':') {
+        Some((k, n)) => (k, n.parse::<usize>().map_err(|_| format!("bad device ordinal in {s:?}"))?),
+        None => (s.trim(), 0),
+    };
+    match kind {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        "cuda" => candle_core::Device::new_cuda(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}")),
+        "metal" => candle_core::Device::new_metal(ordinal).map_err(|e| format!("Metal device {ordinal}: {e}")),
+        other => Err(format!("unknown device {other:?}; use cpu, cuda[:N] or metal[:N]")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_bytes;
@@ -49,5 +66,12 @@ mod tests {
         assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert!(super::parse_device("cpu").unwrap().is_cpu());
+        assert!(super::parse_device("tpu").is_err());
+        assert!(super::parse_device("cuda:x").is_err());
     }
 }
