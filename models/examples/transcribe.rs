@@ -3,6 +3,10 @@
 
 use std::time::Instant;
 
+// The worker's allocator, so timings match the service.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use candle_core::Device;
 use tern_models::audio::decode_mono_16k;
 use tern_models::whisper::{TranscribeOptions, Whisper};

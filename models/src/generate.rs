@@ -14,6 +14,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
@@ -273,10 +274,24 @@ impl Llm {
             .and_then(|v| usize::try_from(v).ok())
             .unwrap_or(DEFAULT_CONTEXT_LENGTH)
             .min(MAX_SEQ_LEN);
-        let weights_bytes = resident_bytes(&content);
-
-        let weights = ModelWeights::from_gguf(content, &mut reader, device)
-            .with_context(|| format!("loading the weights of {}", path.display()))?;
+        let slow: Vec<&str> = content
+            .tensor_infos
+            .iter()
+            .filter(|(_, info)| device.is_cpu() && WITHOUT_CPU_KERNEL.contains(&info.ggml_dtype))
+            .map(|(name, _)| name.as_str())
+            .collect();
+        let (weights, weights_bytes) = if slow.is_empty() {
+            let bytes = resident_bytes(&content);
+            (ModelWeights::from_gguf(content, &mut reader, device), bytes)
+        } else {
+            let gguf = requantize(&content, &mut reader, &slow)
+                .with_context(|| format!("re-quantizing {} to Q8_0", path.display()))?;
+            let mut cursor = std::io::Cursor::new(gguf);
+            let content = Content::read(&mut cursor)?;
+            let bytes = resident_bytes(&content);
+            (ModelWeights::from_gguf(content, &mut cursor, device), bytes)
+        };
+        let weights = weights.with_context(|| format!("loading the weights of {}", path.display()))?;
         Ok(Llm {
             weights,
             tokenizer,
@@ -577,6 +592,33 @@ fn tokenizer_from_gguf(content: &Content) -> Result<Tokenizer> {
         .collect();
     tokenizer.add_special_tokens(&specials);
     Ok(tokenizer)
+}
+
+/// Quantisations whose matrix products candle runs without SIMD kernels on the CPU (Q4_1 is
+/// SmolLM2's: ~17 tokens/s scalar, against several times that for Q8_0 with AVX2).
+const WITHOUT_CPU_KERNEL: [GgmlDType; 4] = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_1];
+
+/// A GGUF image of `content` with the `slow` tensors re-quantized to Q8_0 (which represents
+/// their values almost exactly: 8 bits per weight against their 4-5). Tensors whose rows are not
+/// a whole number of 32-wide blocks are kept as they are.
+fn requantize<R: std::io::Read + std::io::Seek>(content: &Content, reader: &mut R, slow: &[&str]) -> Result<Vec<u8>> {
+    let cpu = Device::Cpu;
+    let mut tensors = Vec::with_capacity(content.tensor_infos.len());
+    for name in content.tensor_infos.keys() {
+        let t = content.tensor(reader, name, &cpu)?;
+        let fits = t.shape().dims().last().is_some_and(|d| d % 32 == 0);
+        let t = if slow.contains(&name.as_str()) && fits {
+            QTensor::quantize(&t.dequantize(&cpu)?, GgmlDType::Q8_0)?
+        } else {
+            t
+        };
+        tensors.push((name.as_str(), t));
+    }
+    let metadata: Vec<(&str, &Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    let mut out = std::io::Cursor::new(Vec::new());
+    candle_core::quantized::gguf_file::write(&mut out, &metadata, &refs)?;
+    Ok(out.into_inner())
 }
 
 /// Memory the loaded weights take (see [`Llm::weights_bytes`]).
