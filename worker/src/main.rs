@@ -84,7 +84,9 @@ struct Cli {
     #[arg(long, env = "TERN_MODELS_DIR", default_value = "~/.cache/tern/models")]
     models_dir: String,
     /// Whisper model for `transcribe` jobs: a CTranslate2 (faster-whisper) folder under the
-    /// models directory.
+    /// models directory, or a hub id such as `hf:Systran/faster-whisper-base` (downloaded once
+    /// into the models directory; HF_ENDPOINT and HF_TOKEN are honoured). The same holds for
+    /// the embedding and language models (`hf:OWNER/NAME/FILE.gguf` for a GGUF repository).
     #[arg(long, env = "TERN_WHISPER_MODEL", default_value = "whisper-tiny.en")]
     whisper_model: String,
     /// Sentence-embedding model for `embed` jobs: a Hugging Face folder (BERT family) under the

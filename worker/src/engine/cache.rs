@@ -68,6 +68,8 @@ pub struct ModelReport {
 
 pub struct ModelCache {
     dir: PathBuf,
+    /// Runs hub downloads (async HTTP) from the model thread.
+    runtime: tokio::runtime::Handle,
     device: Device,
     budget: u64,
     entries: HashMap<String, Entry>,
@@ -80,9 +82,15 @@ pub const WARMUP_WINDOWS: usize = 1;
 
 impl ModelCache {
     /// `dir`: the models directory (each model is a folder in it); `budget`: bytes.
-    pub fn new(dir: PathBuf, device: Device, budget: u64, report: Arc<Mutex<CacheReport>>) -> ModelCache {
+    pub fn new(
+        dir: PathBuf,
+        runtime: tokio::runtime::Handle,
+        device: Device,
+        budget: u64,
+        report: Arc<Mutex<CacheReport>>,
+    ) -> ModelCache {
         report.lock().expect("not poisoned").budget_bytes = budget;
-        ModelCache { dir, device, budget, entries: HashMap::new(), clock: 0, report }
+        ModelCache { dir, runtime, device, budget, entries: HashMap::new(), clock: 0, report }
     }
 
     /// Bytes of the budget not held by resident weights: what batches may use.
@@ -99,7 +107,8 @@ impl ModelCache {
         self.entries.get(name).map(|e| e.unit_bytes)
     }
 
-    /// The model `name` (a folder under the models directory), loading it first if needed.
+    /// The model `name` (a folder under the models directory, or a hub id `hf:OWNER/NAME`),
+    /// loading it first if needed.
     pub fn get(&mut self, family: Family, name: &str) -> Result<&mut Model, EngineError> {
         self.clock += 1;
         let clock = self.clock;
@@ -112,8 +121,12 @@ impl ModelCache {
             return Ok(&mut self.entries.get_mut(name).expect("checked").model);
         }
         self.report.lock().expect("not poisoned").misses += 1;
-        let dir = self.dir.join(name);
         let unavailable = |reason: String| EngineError::ModelUnavailable { model: name.to_string(), reason };
+        let dir = if name.starts_with(super::hub::PREFIX) {
+            super::hub::fetch(&self.dir, name, family, &self.runtime).map_err(|e| unavailable(format!("{e:#}")))?
+        } else {
+            self.dir.join(name)
+        };
         let estimate = estimate_bytes(family, &dir).map_err(|e| unavailable(format!("{e:#}")))?;
         if estimate > self.budget {
             self.report.lock().expect("not poisoned").load_failures += 1;

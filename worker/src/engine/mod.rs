@@ -4,6 +4,7 @@
 //! batch on a model from the [`cache::ModelCache`].
 
 pub mod cache;
+mod hub;
 
 use cache::{CacheReport, Family, Model, ModelCache};
 use std::collections::VecDeque;
@@ -129,14 +130,14 @@ pub struct Engine {
 
 impl Engine {
     /// Starts the thread; models load on first use. `budget`: bytes the resident models and
-    /// their batches may use.
+    /// their batches may use. Call from within the tokio runtime (hub downloads run on it).
     pub fn start(models_dir: PathBuf, device: candle_core::Device, names: ModelNames, budget: u64, limits: BatchLimits) -> Engine {
         let (tx, rx) = mpsc::channel::<Request>();
         let report = Arc::new(Mutex::new(CacheReport::default()));
         let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
         let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
         let thread = Thread {
-            cache: ModelCache::new(models_dir, device, budget, report.clone()),
+            cache: ModelCache::new(models_dir, tokio::runtime::Handle::current(), device, budget, report.clone()),
             names: names.clone(),
             limits: limits.clone(),
             windows: windows.clone(),

@@ -1,0 +1,91 @@
+//! Models named by hub id (`hf:OWNER/NAME`) are downloaded once into the models directory and
+//! loaded from there. The hub here is a local HTTP server laid out like the real one
+//! (`/{repo}/resolve/{revision}/{file}`, pointed at with HF_ENDPOINT): this machine has no
+//! internet, and the path under test is tern's, not the hub's.
+
+use base64::Engine;
+use serde_json::json;
+use std::net::TcpListener;
+use std::time::Duration;
+use tern_e2e::Cluster;
+
+/// A `python3 -m http.server` over `root`, killed on drop.
+struct FileServer(std::process::Child);
+
+impl Drop for FileServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn a_hub_model_id_is_downloaded_once_and_serves_jobs() {
+    let models = tern_e2e::models_dir();
+    let hub = tempfile::tempdir().unwrap();
+    let files = hub.path().join("test-org/whisper-tiny.en/resolve/main");
+    std::fs::create_dir_all(&files).unwrap();
+    for f in ["model.bin", "config.json", "tokenizer.json"] {
+        std::os::unix::fs::symlink(models.join("whisper-tiny.en").join(f), files.join(f)).unwrap();
+    }
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _server = FileServer(
+        std::process::Command::new("python3")
+            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+            .arg(hub.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("python3"),
+    );
+    let local = tempfile::tempdir().unwrap();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let local_dir = local.path().to_str().unwrap().to_string();
+
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let clip = std::fs::read(models.join("testdata/librivox").join(
+        std::fs::read_dir(models.join("testdata/librivox"))
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .find(|n| n.to_string_lossy().ends_with(".wav"))
+            .unwrap(),
+    ))
+    .unwrap();
+    let audio = base64::engine::general_purpose::STANDARD.encode(&clip);
+    let ids = cluster
+        .submit_all(&[
+            json!({"kind": "transcribe", "input": {"audio": {"base64": audio}}}),
+            json!({"kind": "transcribe", "input": {"audio": {"base64": audio}}}),
+        ])
+        .await
+        .unwrap();
+    // Wait for the server before the worker asks it.
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let worker = cluster
+        .spawn_worker(&[
+            ("HF_ENDPOINT", endpoint.as_str()),
+            ("TERN_MODELS_DIR", local_dir.as_str()),
+            ("TERN_WHISPER_MODEL", "hf:test-org/whisper-tiny.en"),
+            ("TERN_WORKER_KINDS", "transcribe"),
+        ])
+        .unwrap();
+    let counts = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
+    assert_eq!(counts.get("succeeded"), Some(&2), "{counts:?}\n{}", worker.log_text());
+    let fetched = local.path().join("hf/test-org--whisper-tiny.en--main/model.bin");
+    assert_eq!(
+        std::fs::metadata(&fetched).unwrap().len(),
+        std::fs::metadata(models.join("whisper-tiny.en/model.bin")).unwrap().len(),
+        "the weights were downloaded whole"
+    );
+    assert_eq!(worker.log_text().matches("downloading from the hub").count(), 3, "each file once");
+    let (_, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
+    let out: serde_json::Value = reqwest::get(job["output"]["url"].as_str().unwrap()).await.unwrap().json().await.unwrap();
+    assert_eq!(out["model"], "hf:test-org/whisper-tiny.en");
+    assert!(!out["text"].as_str().unwrap().is_empty());
+}
