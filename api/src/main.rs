@@ -5,6 +5,7 @@ mod error;
 mod routes;
 mod state;
 mod submission;
+mod webhooks;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -43,6 +44,18 @@ struct ServeArgs {
     /// Largest request body in bytes (base64 files count: 10 MiB of file is ~13.4 MiB of body).
     #[arg(long, env = "TERN_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Webhook signing secrets, comma-separated `whsec_<base64>` (Standard Webhooks); the first
+    /// is current, all sign during a rotation. Unset: jobs cannot name a webhook.
+    #[arg(long, env = "TERN_WEBHOOK_SECRETS", value_parser = webhooks::signature::Signer::parse, hide_env_values = true)]
+    webhook_secrets: Option<webhooks::signature::Signer>,
+    /// Delays (ms) before each webhook attempt: the first attempt, then each retry. Default: the
+    /// Standard Webhooks schedule 0 s, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 14 h, 20 h, 24 h
+    /// (retries jittered by 10%).
+    #[arg(long, env = "TERN_WEBHOOK_SCHEDULE_MS", value_delimiter = ',')]
+    webhook_schedule_ms: Vec<u64>,
+    /// How often (ms) the webhook dispatcher looks for due deliveries when idle.
+    #[arg(long, env = "TERN_WEBHOOK_POLL_MS", default_value_t = 200)]
+    webhook_poll_ms: u64,
     /// Apply database migrations at start.
     #[arg(long, env = "TERN_MIGRATE", default_value_t = true, action = clap::ArgAction::Set)]
     migrate: bool,
@@ -101,13 +114,33 @@ async fn main() -> anyhow::Result<()> {
             max_body_bytes: args.max_body_bytes,
             max_audio_seconds: args.services.max_audio_seconds,
         },
+        webhooks_enabled: args.webhook_secrets.is_some(),
     }));
+    let dispatcher_task = args.webhook_secrets.clone().map(|signer| {
+        let schedule = if args.webhook_schedule_ms.is_empty() {
+            webhooks::DEFAULT_SCHEDULE_MS.to_vec()
+        } else {
+            args.webhook_schedule_ms.clone()
+        };
+        let dispatcher = webhooks::Dispatcher {
+            state: state.clone(),
+            signer,
+            http: reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().expect("HTTP client"),
+            schedule: schedule.into_iter().map(Duration::from_millis).collect(),
+            poll: Duration::from_millis(args.webhook_poll_ms.max(10)),
+            batch: 32,
+        };
+        tokio::spawn(dispatcher.run(stop_rx.clone()))
+    });
     let app = routes::router(state);
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     tracing::info!(listen = %args.listen, bucket = %args.services.s3.s3_bucket, "tern-api ready");
     axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
     let _ = stop_tx.send(true);
     let _ = tokio::join!(reaper_task, reconciler_task);
+    if let Some(task) = dispatcher_task {
+        let _ = task.await;
+    }
     tracing::info!("tern-api stopped");
     Ok(())
 }

@@ -10,6 +10,8 @@ pub struct Inner {
     pub queue: Queue,
     pub objects: ObjectStore,
     pub limits: Limits,
+    /// Whether webhook secrets are configured: jobs may name a webhook only then.
+    pub webhooks_enabled: bool,
 }
 
 /// Admission limits.

@@ -16,7 +16,7 @@ use uuid::Uuid;
 pub const IDEMPOTENCY_KEY_MAX_LEN: usize = 255;
 
 const FIELDS: &[&str] =
-    &["kind", "input", "priority", "run_at", "delay_ms", "max_attempts", "timeout_ms", "metadata", "idempotency_key"];
+    &["kind", "input", "priority", "run_at", "delay_ms", "max_attempts", "timeout_ms", "metadata", "idempotency_key", "webhook"];
 
 /// A job request that passed every check but its files (see [`store_inline_files`]).
 pub struct Submission {
@@ -93,6 +93,9 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         }
         job.metadata = v.clone();
     }
+    if let Some(v) = obj.get("webhook").filter(|v| !v.is_null()) {
+        job.webhook = Some(parse_webhook(v)?);
+    }
     let body_key = match obj.get("idempotency_key") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.as_str()),
@@ -112,6 +115,31 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         job.request_sha256 = Some(fingerprint(value));
     }
     Ok(Submission { job })
+}
+
+/// Longest webhook URL accepted.
+const WEBHOOK_URL_MAX: usize = 2048;
+
+/// `{"url": "https://...", "events"?: ["job.succeeded", ...]}`.
+fn parse_webhook(v: &Value) -> Result<tern_jobs::Webhook, ApiError> {
+    let bad = |m: String| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_webhook", m);
+    let hook: tern_jobs::Webhook = serde_json::from_value(v.clone())
+        .map_err(|e| bad(format!("\"webhook\" must be {{\"url\", \"events\"?}}: {e}")))?;
+    let scheme_ok = hook.url.get(..8).is_some_and(|p| p.eq_ignore_ascii_case("https://"))
+        || hook.url.get(..7).is_some_and(|p| p.eq_ignore_ascii_case("http://"));
+    if !scheme_ok || hook.url.len() > WEBHOOK_URL_MAX || hook.url.chars().any(char::is_whitespace) {
+        return Err(bad(format!("the webhook url must be an http(s) URL of at most {WEBHOOK_URL_MAX} characters")));
+    }
+    if let Some(events) = &hook.events {
+        let known = tern_jobs::job::WEBHOOK_EVENTS;
+        if events.is_empty() {
+            return Err(bad("\"events\", when given, names at least one event".into()));
+        }
+        if let Some(e) = events.iter().find(|e| !known.contains(&e.as_str())) {
+            return Err(bad(format!("unknown webhook event {e:?}; known: {}", known.join(", "))));
+        }
+    }
+    Ok(hook)
 }
 
 /// Characters per token assumed when estimating costs without a tokenizer (English text with

@@ -39,12 +39,27 @@ pub struct Job {
     pub cancel_requested: bool,
     pub error: Option<Failure>,
     pub output: Option<JobOutput>,
+    /// Where this job's events are delivered, if anywhere.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<Webhook>,
     /// Fencing token of the lease that may settle the job; internal, never shown by the API.
     #[serde(skip)]
     pub lease_token: Option<i64>,
     #[serde(skip)]
     pub request_sha256: Option<String>,
 }
+
+/// A job's webhook: its events are POSTed to `url`, signed per the Standard Webhooks spec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Webhook {
+    pub url: String,
+    /// Events wanted (see [`WEBHOOK_EVENTS`]); absent: all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<Vec<String>>,
+}
+
+/// The events a webhook can ask for.
+pub const WEBHOOK_EVENTS: &[&str] = &["job.started", "job.succeeded", "job.failed", "job.canceled"];
 
 /// Why an attempt failed: a stable machine-readable `code` and a message for people.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,6 +109,7 @@ pub struct NewJob {
     pub idempotency_key: Option<String>,
     /// Fingerprint of the request, compared when the idempotency key is used again.
     pub request_sha256: Option<String>,
+    pub webhook: Option<Webhook>,
 }
 
 impl NewJob {
@@ -107,6 +123,7 @@ impl NewJob {
             max_attempts: MAX_ATTEMPTS_DEFAULT,
             run_at: None,
             timeout_ms: TIMEOUT_MS_DEFAULT,
+            webhook: None,
             metadata: Value::Object(Default::default()),
             idempotency_key: None,
             request_sha256: None,

@@ -26,7 +26,7 @@ pub mod state;
 pub mod store;
 
 pub use error::{Error, Result};
-pub use job::{Failure, Job, JobOutput, NewJob};
+pub use job::{Failure, Job, JobOutput, NewJob, Webhook};
 pub use kind::JobKind;
 pub use object_store::ObjectStore;
 pub use priority::Priority;

@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 const JOB_COLUMNS: &str = "id, kind, priority, state, input, cost, attempts, max_attempts, run_at, \
     timeout_ms, metadata, idempotency_key, request_sha256, created_at, started_at, finished_at, \
-    worker_id, lease_token, cancel_requested, error, output";
+    worker_id, lease_token, cancel_requested, error, output, webhook";
 
 /// The Postgres side of tern: the record of every job and every state change.
 #[derive(Clone)]
@@ -130,6 +130,7 @@ impl Store {
         let mut metadata = Vec::with_capacity(jobs.len());
         let mut keys = Vec::with_capacity(jobs.len());
         let mut hashes = Vec::with_capacity(jobs.len());
+        let mut webhooks = Vec::with_capacity(jobs.len());
         for job in jobs {
             ids.push(job.id);
             kinds.push(job.kind.as_str());
@@ -143,18 +144,19 @@ impl Store {
             metadata.push(job.metadata.to_string());
             keys.push(job.idempotency_key.as_deref());
             hashes.push(job.request_sha256.as_deref());
+            webhooks.push(job.webhook.as_ref().map(|w| serde_json::to_string(w).expect("webhooks serialise")));
         }
         let sql = format!(
             "WITH inserted AS (
                 INSERT INTO jobs (id, kind, priority, state, input, cost, max_attempts, run_at,
-                                  timeout_ms, metadata, idempotency_key, request_sha256)
+                                  timeout_ms, metadata, idempotency_key, request_sha256, webhook)
                 SELECT id, kind, priority, state, input::jsonb, cost, max_attempts, run_at,
-                       timeout_ms, metadata::jsonb, idempotency_key, request_sha256
+                       timeout_ms, metadata::jsonb, idempotency_key, request_sha256, webhook::jsonb
                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int4[],
                             $7::int4[], $8::timestamptz[], $9::int8[], $10::text[], $11::text[],
-                            $12::text[])
+                            $12::text[], $13::text[])
                      AS t(id, kind, priority, state, input, cost, max_attempts, run_at, timeout_ms,
-                          metadata, idempotency_key, request_sha256)
+                          metadata, idempotency_key, request_sha256, webhook)
                 ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING {JOB_COLUMNS}
             ), events AS (
@@ -175,6 +177,7 @@ impl Store {
             .bind(&metadata)
             .bind(&keys)
             .bind(&hashes)
+            .bind(&webhooks)
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(job_from_row).collect()
@@ -444,6 +447,7 @@ fn parse_priority(s: String) -> Result<Priority> {
 fn job_from_row(r: &PgRow) -> Result<Job> {
     let error: Option<Value> = r.try_get("error")?;
     let output: Option<Value> = r.try_get("output")?;
+    let webhook: Option<Value> = r.try_get("webhook")?;
     Ok(Job {
         id: r.try_get("id")?,
         kind: parse_kind(r.try_get("kind")?)?,
@@ -466,5 +470,6 @@ fn job_from_row(r: &PgRow) -> Result<Job> {
         cancel_requested: r.try_get("cancel_requested")?,
         error: error.and_then(|v| serde_json::from_value(v).ok()),
         output: output.and_then(|v| serde_json::from_value(v).ok()),
+        webhook: webhook.and_then(|v| serde_json::from_value(v).ok()),
     })
 }

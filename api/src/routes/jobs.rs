@@ -77,6 +77,13 @@ async fn views(state: &AppState, jobs: &[Job]) -> Result<Vec<Value>, ApiError> {
 
 /// Refuses work past the queue's configured depth.
 async fn admit(state: &AppState, jobs: &[NewJob]) -> Result<(), ApiError> {
+    if !state.webhooks_enabled && jobs.iter().any(|j| j.webhook.is_some()) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "webhooks_not_configured",
+            "this server has no webhook signing secret (TERN_WEBHOOK_SECRETS): jobs cannot name a webhook",
+        ));
+    }
     let mut per_kind: HashMap<JobKind, u64> = HashMap::new();
     for job in jobs {
         *per_kind.entry(job.kind).or_default() += 1;
@@ -287,4 +294,44 @@ pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Re
             format!("the job already finished as {}", job.state),
         )),
     }
+}
+
+/// `GET /v1/jobs/{id}/deliveries`: the job's webhook deliveries, oldest first, each with its
+/// attempts (status, latency, error).
+pub async fn deliveries(State(state): State<AppState>, Path(id): Path<Uuid>) -> Result<Json<Value>, ApiError> {
+    if state.store.get(id).await?.is_none() {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}")));
+    }
+    let rows: Vec<Value> = sqlx::query_scalar(
+        "SELECT jsonb_build_object(
+                'id', 'msg_' || replace(d.id::text, '-', ''), 'delivery_id', d.id, 'event', d.event,
+                'url', d.url, 'state', d.state, 'attempts', d.attempts, 'created_at', d.created_at,
+                'delivered_at', d.delivered_at, 'next_attempt_at', CASE WHEN d.state = 'pending' THEN d.next_attempt_at END,
+                'last_status', d.last_status, 'last_error', d.last_error,
+                'history', coalesce((SELECT jsonb_agg(jsonb_build_object('at', a.at, 'status', a.status,
+                                         'latency_ms', a.latency_ms, 'error', a.error) ORDER BY a.id)
+                                     FROM webhook_attempts a WHERE a.delivery_id = d.id), '[]'::jsonb))
+         FROM webhook_deliveries d WHERE d.job_id = $1 ORDER BY d.created_at",
+    )
+    .bind(id)
+    .fetch_all(state.store.pool())
+    .await
+    .map_err(tern_jobs::Error::from)?;
+    Ok(Json(json!({ "deliveries": rows })))
+}
+
+/// `POST /v1/deliveries/{delivery_id}/replay`: sends a delivery again (whatever became of it),
+/// with a fresh retry schedule. 202.
+pub async fn replay(State(state): State<AppState>, Path(id): Path<Uuid>) -> Result<Response, ApiError> {
+    let updated = sqlx::query(
+        "UPDATE webhook_deliveries SET state = 'pending', attempts = 0, next_attempt_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .execute(state.store.pool())
+    .await
+    .map_err(tern_jobs::Error::from)?;
+    if updated.rows_affected() == 0 {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no delivery {id}")));
+    }
+    Ok((StatusCode::ACCEPTED, Json(json!({ "delivery_id": id, "state": "pending" }))).into_response())
 }

@@ -20,6 +20,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/jobs/{id}", get(jobs::get))
         .route("/v1/jobs/{id}/events", get(jobs::events))
         .route("/v1/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/v1/jobs/{id}/deliveries", get(jobs::deliveries))
+        .route("/v1/deliveries/{id}/replay", post(jobs::replay))
         .route("/v1/uploads", post(uploads::create))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(DefaultBodyLimit::max(max_body))

@@ -1,0 +1,236 @@
+//! Webhook delivery. The outbox (`webhook_deliveries`) is filled by a Postgres trigger in the
+//! same transaction as each state change; this dispatcher, running in every API process, claims
+//! due deliveries (`FOR UPDATE SKIP LOCKED`, so replicas share the work), POSTs them signed, and
+//! records every attempt. Delivery is at least once: a process killed mid-delivery leaves its
+//! claim to expire, and another attempt follows. Receivers dedupe on `webhook-id`.
+
+pub mod signature;
+
+use crate::routes::jobs::job_view;
+use crate::state::AppState;
+use chrono::{DateTime, Utc};
+use serde_json::json;
+use signature::Signer;
+use sqlx::Row;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+/// The retry schedule of the Standard Webhooks spec: the delay before attempt n+1 after n
+/// failures. Ten attempts over about 3.5 days.
+pub const DEFAULT_SCHEDULE_MS: &[u64] =
+    &[0, 5_000, 300_000, 1_800_000, 7_200_000, 18_000_000, 36_000_000, 50_400_000, 72_000_000, 86_400_000];
+/// A receiver that takes longer than this is counted as failing.
+pub const TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a claimed delivery stays out of other dispatchers' reach: longer than one attempt.
+const CLAIM: Duration = Duration::from_secs(60);
+/// Longest Retry-After honoured.
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(24 * 3600);
+
+#[derive(Clone)]
+pub struct Dispatcher {
+    pub state: AppState,
+    pub signer: Signer,
+    pub http: reqwest::Client,
+    /// Delays before each retry (the first entry is the first attempt's delay).
+    pub schedule: Vec<Duration>,
+    /// Idle wait between looks at the outbox.
+    pub poll: Duration,
+    /// Most deliveries in flight per look.
+    pub batch: i64,
+}
+
+struct Due {
+    id: Uuid,
+    job_id: Uuid,
+    event: String,
+    url: String,
+    attempts: i32,
+    created_at: DateTime<Utc>,
+}
+
+/// What one attempt came to.
+struct Attempt {
+    status: Option<u16>,
+    error: Option<String>,
+    retry_after: Option<Duration>,
+    latency: Duration,
+}
+
+impl Dispatcher {
+    pub async fn run(self, mut stop: watch::Receiver<bool>) {
+        while !*stop.borrow() {
+            let sent = match self.tick().await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "webhook dispatch failed");
+                    0
+                }
+            };
+            if sent == 0 {
+                tokio::select! {
+                    _ = tokio::time::sleep(self.poll) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+        }
+    }
+
+    /// Claims the due deliveries (the oldest pending one of each job, so a job's events arrive
+    /// in order) and sends them concurrently.
+    async fn tick(&self) -> Result<usize, sqlx::Error> {
+        let rows = sqlx::query(
+            "UPDATE webhook_deliveries d SET next_attempt_at = now() + make_interval(secs => $2)
+             FROM (SELECT id FROM webhook_deliveries w
+                   WHERE state = 'pending' AND next_attempt_at <= now()
+                     AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
+                                     WHERE p.job_id = w.job_id AND p.state = 'pending'
+                                       AND p.created_at < w.created_at)
+                   ORDER BY next_attempt_at LIMIT $1
+                   FOR UPDATE SKIP LOCKED) due
+             WHERE d.id = due.id
+             RETURNING d.id, d.job_id, d.event, d.url, d.attempts, d.created_at",
+        )
+        .bind(self.batch)
+        .bind(CLAIM.as_secs_f64())
+        .fetch_all(self.state.store.pool())
+        .await?;
+        let due: Vec<Due> = rows
+            .iter()
+            .map(|r| {
+                Ok(Due {
+                    id: r.try_get("id")?,
+                    job_id: r.try_get("job_id")?,
+                    event: r.try_get("event")?,
+                    url: r.try_get("url")?,
+                    attempts: r.try_get("attempts")?,
+                    created_at: r.try_get("created_at")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()?;
+        let n = due.len();
+        futures::future::join_all(due.into_iter().map(|d| self.deliver(d))).await;
+        Ok(n)
+    }
+
+    async fn deliver(&self, d: Due) {
+        let attempt = self.attempt(&d).await;
+        if let Err(e) = self.record(&d, &attempt).await {
+            // The claim expires and the delivery is tried again: at least once.
+            tracing::warn!(error = %e, delivery = %d.id, "could not record a webhook attempt");
+        }
+    }
+
+    async fn attempt(&self, d: &Due) -> Attempt {
+        let started = Instant::now();
+        let failed = |error: String| Attempt { status: None, error: Some(error), retry_after: None, latency: started.elapsed() };
+        let job = match self.state.store.get(d.job_id).await {
+            Ok(Some(job)) => job,
+            Ok(None) => return failed("the job no longer exists".into()),
+            Err(e) => return failed(format!("reading the job: {e}")),
+        };
+        let data = match job_view(&self.state, &job, false).await {
+            Ok(v) => v,
+            Err(e) => return failed(format!("rendering the job: {}", e.message)),
+        };
+        let body = serde_json::to_vec(&json!({
+            "type": d.event,
+            "timestamp": d.created_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            "data": data,
+        }))
+        .expect("JSON values serialise");
+        let id = format!("msg_{}", d.id.simple());
+        let timestamp = Utc::now().timestamp();
+        let signature = self.signer.sign(&id, timestamp, &body);
+        let sent = self
+            .http
+            .post(&d.url)
+            .timeout(TIMEOUT)
+            .header("content-type", "application/json")
+            .header("webhook-id", &id)
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature)
+            .body(body)
+            .send()
+            .await;
+        match sent {
+            Ok(response) => {
+                let status = response.status();
+                let retry_after = response
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map(|s| Duration::from_secs(s).min(RETRY_AFTER_MAX));
+                Attempt {
+                    status: Some(status.as_u16()),
+                    error: (!status.is_success()).then(|| format!("the receiver answered {status}")),
+                    retry_after,
+                    latency: started.elapsed(),
+                }
+            }
+            Err(e) => failed(if e.is_timeout() { format!("no answer within {} s", TIMEOUT.as_secs()) } else { e.to_string() }),
+        }
+    }
+
+    /// Records the attempt and decides what follows: delivered, retried later, failed for good,
+    /// or, on 410 Gone, the endpoint disabled (this job's later events to it are dropped).
+    async fn record(&self, d: &Due, a: &Attempt) -> Result<(), sqlx::Error> {
+        let attempts = d.attempts + 1;
+        let (state, next): (&str, Option<Duration>) = match a.status {
+            Some(s) if (200..300).contains(&s) => ("delivered", None),
+            Some(410) => ("disabled", None),
+            _ => match self.schedule.get(attempts as usize) {
+                None => ("failed", None),
+                Some(delay) => {
+                    let honour = matches!(a.status, Some(429 | 503)).then_some(a.retry_after).flatten();
+                    ("pending", Some(honour.unwrap_or_else(|| jitter(*delay))))
+                }
+            },
+        };
+        let mut tx = self.state.store.pool().begin().await?;
+        sqlx::query("INSERT INTO webhook_attempts (delivery_id, status, latency_ms, error) VALUES ($1, $2, $3, $4)")
+            .bind(d.id)
+            .bind(a.status.map(i32::from))
+            .bind(a.latency.as_millis().min(i32::MAX as u128) as i32)
+            .bind(&a.error)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "UPDATE webhook_deliveries SET state = $2, attempts = $3, last_status = $4, last_error = $5,
+                    delivered_at = CASE WHEN $2 = 'delivered' THEN now() END,
+                    next_attempt_at = now() + make_interval(secs => $6)
+             WHERE id = $1",
+        )
+        .bind(d.id)
+        .bind(state)
+        .bind(attempts)
+        .bind(a.status.map(i32::from))
+        .bind(&a.error)
+        .bind(next.unwrap_or_default().as_secs_f64())
+        .execute(&mut *tx)
+        .await?;
+        if state == "disabled" {
+            sqlx::query("UPDATE webhook_deliveries SET state = 'disabled' WHERE job_id = $1 AND url = $2 AND state = 'pending'")
+                .bind(d.job_id)
+                .bind(&d.url)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("UPDATE jobs SET webhook = webhook || '{\"disabled\": true}'::jsonb WHERE id = $1")
+                .bind(d.job_id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        tracing::info!(delivery = %d.id, job = %d.job_id, event = %d.event, status = ?a.status, state, attempts, "webhook attempt");
+        Ok(())
+    }
+}
+
+/// ±10% so deliveries that failed together do not come back together.
+fn jitter(delay: Duration) -> Duration {
+    if delay.is_zero() {
+        return delay;
+    }
+    delay.mul_f64(0.9 + rand::random::<f64>() * 0.2)
+}
