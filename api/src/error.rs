@@ -49,7 +49,11 @@ impl From<tern_jobs::Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = Json(json!({ "error": { "code": self.code, "message": self.message } }));
+        let mut error = json!({ "code": self.code, "message": self.message });
+        if let Ok(id) = crate::middleware::REQUEST_ID.try_with(String::clone) {
+            error["request_id"] = json!(id);
+        }
+        let body = Json(json!({ "error": error }));
         let mut resp = (self.status, body).into_response();
         if let Some(secs) = self.retry_after {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));

@@ -2,6 +2,7 @@
 //! the background services that keep the queue honest (lease reaper, reconciler).
 
 mod error;
+mod middleware;
 mod routes;
 mod state;
 mod submission;
@@ -56,6 +57,10 @@ struct ServeArgs {
     /// How often (ms) the webhook dispatcher looks for due deliveries when idle.
     #[arg(long, env = "TERN_WEBHOOK_POLL_MS", default_value_t = 200)]
     webhook_poll_ms: u64,
+    /// Origins allowed to call the API from a browser (CORS), comma-separated, or `*`. Default:
+    /// none (no CORS headers).
+    #[arg(long, env = "TERN_CORS_ORIGINS", value_delimiter = ',')]
+    cors_origins: Vec<String>,
     /// Apply database migrations at start.
     #[arg(long, env = "TERN_MIGRATE", default_value_t = true, action = clap::ArgAction::Set)]
     migrate: bool,
@@ -132,7 +137,7 @@ async fn main() -> anyhow::Result<()> {
         };
         tokio::spawn(dispatcher.run(stop_rx.clone()))
     });
-    let app = routes::router(state);
+    let app = routes::router(state, middleware::Cors { origins: args.cors_origins.clone() });
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     tracing::info!(listen = %args.listen, bucket = %args.services.s3.s3_bucket, "tern-api ready");
     axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;

@@ -227,3 +227,50 @@ fn both_binaries_explain_their_flags_and_environment_variables() {
         assert!(!help.contains("tern-dev-secret"), "{binary} --help shows the secret key");
     }
 }
+
+#[tokio::test]
+async fn every_response_carries_a_request_id_and_security_headers_and_cors_is_opt_in() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let check = |resp: &reqwest::Response| {
+        let h = resp.headers();
+        assert!(h.get("x-request-id").is_some_and(|v| !v.is_empty()), "{h:?}");
+        assert_eq!(h["x-content-type-options"], "nosniff");
+        assert_eq!(h["x-frame-options"], "DENY");
+        assert_eq!(h["referrer-policy"], "no-referrer");
+        assert!(h.contains_key("content-security-policy"));
+    };
+    for path in ["/healthz", "/v1/jobs", "/v1/nothing-here", &format!("/v1/jobs/{}", uuid::Uuid::now_v7())] {
+        let resp = cluster.http.get(cluster.url(path)).send().await.unwrap();
+        check(&resp);
+    }
+    // A client's id is passed through, and errors carry it.
+    let resp = cluster
+        .http
+        .post(cluster.url("/v1/jobs"))
+        .header("x-request-id", "client-abc-123")
+        .json(&json!({"kind": "nope", "input": {}}))
+        .send()
+        .await
+        .unwrap();
+    check(&resp);
+    assert_eq!(resp.headers()["x-request-id"], "client-abc-123");
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["request_id"], "client-abc-123", "{body}");
+    // No CORS unless configured.
+    let resp = cluster.http.get(cluster.url("/healthz")).header("origin", "https://app.example").send().await.unwrap();
+    assert!(resp.headers().get("access-control-allow-origin").is_none());
+
+    let cors = Cluster::start(&[("TERN_CORS_ORIGINS", "https://app.example")]).await.unwrap();
+    let preflight = cors
+        .http
+        .request(reqwest::Method::OPTIONS, cors.url("/v1/jobs"))
+        .header("origin", "https://app.example")
+        .header("access-control-request-method", "POST")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(preflight.status(), 204);
+    assert_eq!(preflight.headers()["access-control-allow-origin"], "https://app.example");
+    let other = cors.http.get(cors.url("/healthz")).header("origin", "https://evil.example").send().await.unwrap();
+    assert!(other.headers().get("access-control-allow-origin").is_none());
+}

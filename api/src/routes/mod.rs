@@ -10,7 +10,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 
-pub fn router(state: AppState) -> Router {
+pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
     let max_body = state.limits.max_body_bytes;
     Router::new()
         .route("/healthz", get(health::healthz))
@@ -25,5 +25,6 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/uploads", post(uploads::create))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(std::sync::Arc::new(cors), crate::middleware::wrap))
         .with_state(state)
 }
