@@ -99,6 +99,11 @@ until curl -sf -o /dev/null --max-time 2 "$API/readyz"; do
   sleep 0.2
 done
 
+say "creating an API key for tenant demo (tern-api keys create)"
+key="$("$TERN_BIN_DIR/tern-api" keys create --tenant demo --scope jobs:write,jobs:read --name demo 2>/dev/null)" \
+  || die "creating an API key failed"
+auth="authorization: Bearer $key"
+
 say "starting one tern-worker (log: $worker_log)"
 "$TERN_BIN_DIR/tern-worker" >"$worker_log" 2>&1 </dev/null &
 WORKER_PID=$!
@@ -111,7 +116,7 @@ import base64, json, sys
 audio = base64.b64encode(open(sys.argv[1], "rb").read()).decode()
 print(json.dumps({"kind": "transcribe", "priority": "high", "input": {"audio": {"base64": audio}}}))
 PY
-response="$(curl -sS -X POST "$API/v1/jobs" -H 'content-type: application/json' \
+response="$(curl -sS -X POST "$API/v1/jobs" -H 'content-type: application/json' -H "$auth" \
   -d "@$request_file" -w '\n%{http_code}')" || die "POST $API/v1/jobs failed"
 status="${response##*$'\n'}"
 body="${response%$'\n'*}"
@@ -127,7 +132,7 @@ deadline=$((SECONDS + 180))
 state=""
 job=""
 while :; do
-  if job="$(curl -sf --max-time 5 "$API/v1/jobs/$id")"; then
+  if job="$(curl -sf --max-time 5 -H "$auth" "$API/v1/jobs/$id")"; then
     state="$(json_get state <<<"$job" 2>/dev/null || true)"
     case "$state" in
       succeeded | failed | canceled) break ;;

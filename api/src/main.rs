@@ -1,6 +1,7 @@
 //! `tern-api`: accepts jobs over HTTP, records them in Postgres, queues them in Redis, and runs
 //! the background services that keep the queue honest (lease reaper, reconciler).
 
+mod auth;
 mod error;
 mod middleware;
 mod routes;
@@ -32,6 +33,31 @@ enum Command {
     Serve,
     /// Apply database migrations and exit.
     Migrate,
+    /// Manage API keys (the first admin key is made here).
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum KeysAction {
+    /// Create a key and print it (shown this once) on stdout.
+    Create {
+        /// The tenant the key acts for; its jobs are visible to its keys only.
+        #[arg(long)]
+        tenant: String,
+        /// Scopes: jobs:write, jobs:read, admin. Repeat the flag or separate with commas.
+        #[arg(long = "scope", value_delimiter = ',', required = true)]
+        scopes: Vec<String>,
+        /// A note to tell keys apart.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List keys (prefix, tenant, scopes, use), never their secrets.
+    List,
+    /// Revoke a key by id or prefix (`tern_XXXXXXXX`); it stops working at once.
+    Revoke { key: String },
 }
 
 #[derive(clap::Args, Debug)]
@@ -61,6 +87,17 @@ struct ServeArgs {
     /// none (no CORS headers).
     #[arg(long, env = "TERN_CORS_ORIGINS", value_delimiter = ',')]
     cors_origins: Vec<String>,
+    /// Requests per second each API key may make (token bucket in Redis, shared by replicas);
+    /// 0 turns the limit off.
+    #[arg(long, env = "TERN_RATE_LIMIT_PER_SEC", default_value_t = 200.0)]
+    rate_limit_per_sec: f64,
+    /// Requests a key may make at once after a quiet spell (the bucket size).
+    #[arg(long, env = "TERN_RATE_LIMIT_BURST", default_value_t = 400.0)]
+    rate_limit_burst: f64,
+    /// Jobs one tenant may have waiting (queued, scheduled, retrying) before its submissions get
+    /// 429 `tenant_queue_full`. Default: no cap.
+    #[arg(long, env = "TERN_MAX_QUEUED_PER_TENANT")]
+    max_queued_per_tenant: Option<i64>,
     /// Apply database migrations at start.
     #[arg(long, env = "TERN_MIGRATE", default_value_t = true, action = clap::ArgAction::Set)]
     migrate: bool,
@@ -90,6 +127,10 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!("migrations applied");
         return Ok(());
     }
+    if let Some(Command::Keys { action }) = &cli.command {
+        store.migrate().await.context("applying migrations")?;
+        return keys_command(&tern_jobs::api_keys::ApiKeys { pool: store.pool().clone() }, action).await;
+    }
     if args.migrate {
         store.migrate().await.context("applying migrations")?;
     }
@@ -110,6 +151,7 @@ async fn main() -> anyhow::Result<()> {
     let reconciler_task =
         tokio::spawn(reconciler.run(Duration::from_millis(args.reconcile_interval_ms), stop_rx.clone()));
 
+    let keys = tern_jobs::api_keys::ApiKeys { pool: store.pool().clone() };
     let state = AppState(Arc::new(Inner {
         store,
         queue,
@@ -118,7 +160,13 @@ async fn main() -> anyhow::Result<()> {
             max_queued: args.max_queued,
             max_body_bytes: args.max_body_bytes,
             max_audio_seconds: args.services.max_audio_seconds,
+            rate: (args.rate_limit_per_sec > 0.0).then_some(auth::RateLimit {
+                per_second: args.rate_limit_per_sec,
+                burst: args.rate_limit_burst.max(1.0),
+            }),
+            max_queued_per_tenant: args.max_queued_per_tenant,
         },
+        keys,
         webhooks_enabled: args.webhook_secrets.is_some(),
     }));
     let dispatcher_task = args.webhook_secrets.clone().map(|signer| {
@@ -147,6 +195,36 @@ async fn main() -> anyhow::Result<()> {
         let _ = task.await;
     }
     tracing::info!("tern-api stopped");
+    Ok(())
+}
+
+async fn keys_command(keys: &tern_jobs::api_keys::ApiKeys, action: &KeysAction) -> anyhow::Result<()> {
+    match action {
+        KeysAction::Create { tenant, scopes, name } => {
+            routes::admin::check_key_request(tenant, scopes).map_err(anyhow::Error::msg)?;
+            let (info, key) = keys.create(tenant, scopes, name.as_deref()).await?;
+            eprintln!("created {} for tenant {} with scopes {} (shown once; store it now):", info.prefix, info.tenant, info.scopes.join(","));
+            println!("{key}");
+        }
+        KeysAction::List => {
+            for k in keys.list().await? {
+                println!(
+                    "{}  tenant={}  scopes={}  created={}  last_used={}  {}{}",
+                    k.prefix,
+                    k.tenant,
+                    k.scopes.join(","),
+                    k.created_at.format("%Y-%m-%d %H:%M"),
+                    k.last_used_at.map_or("never".into(), |t| t.format("%Y-%m-%d %H:%M").to_string()),
+                    if k.revoked_at.is_some() { "REVOKED " } else { "" },
+                    k.name.unwrap_or_default()
+                );
+            }
+        }
+        KeysAction::Revoke { key } => {
+            anyhow::ensure!(keys.revoke(key).await?, "no API key {key}");
+            eprintln!("revoked {key}");
+        }
+    }
     Ok(())
 }
 

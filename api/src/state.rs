@@ -1,4 +1,5 @@
 use std::sync::Arc;
+use tern_jobs::api_keys::ApiKeys;
 use tern_jobs::{ObjectStore, Queue, Store};
 
 /// What every request handler shares.
@@ -9,6 +10,7 @@ pub struct Inner {
     pub store: Store,
     pub queue: Queue,
     pub objects: ObjectStore,
+    pub keys: ApiKeys,
     pub limits: Limits,
     /// Whether webhook secrets are configured: jobs may name a webhook only then.
     pub webhooks_enabled: bool,
@@ -23,6 +25,10 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Longest audio a job may bring, seconds.
     pub max_audio_seconds: f64,
+    /// Per-key request rate; `None`: unlimited.
+    pub rate: Option<crate::auth::RateLimit>,
+    /// Jobs one tenant may have waiting (queued, scheduled, retrying); `None`: unlimited.
+    pub max_queued_per_tenant: Option<i64>,
 }
 
 impl std::ops::Deref for AppState {

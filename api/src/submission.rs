@@ -117,6 +117,20 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
     Ok(Submission { job })
 }
 
+/// Refuses upload keys outside the tenant's prefix as unknown (400 `upload_not_found`, as for a
+/// missing upload), so one tenant cannot use, or learn of, another's upload.
+pub fn check_upload_tenant(job: &NewJob, tenant: &str) -> Result<(), ApiError> {
+    let own = format!("{}{}/", tern_jobs::file_ref::UPLOAD_PREFIX, crate::routes::uploads::tenant_segment(tenant));
+    for field in job.kind.file_fields() {
+        if let Some(Ok(FileRef::UploadKey(key))) = job.input.get(*field).map(FileRef::parse) {
+            if !key.starts_with(&own) {
+                return Err(ApiError::bad_request("upload_not_found", format!("no upload {key}")));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Longest webhook URL accepted.
 const WEBHOOK_URL_MAX: usize = 2048;
 

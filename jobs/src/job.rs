@@ -20,6 +20,8 @@ pub const TIMEOUT_MS_LIMIT: i64 = 24 * 60 * 60 * 1000;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Job {
     pub id: Uuid,
+    /// The tenant of the API key that submitted the job.
+    pub tenant: String,
     pub kind: JobKind,
     pub priority: Priority,
     pub state: JobState,
@@ -98,6 +100,8 @@ pub const INLINE_OUTPUT_MAX_BYTES: usize = 64 * 1024;
 #[derive(Debug, Clone)]
 pub struct NewJob {
     pub id: Uuid,
+    /// Default `default`.
+    pub tenant: String,
     pub kind: JobKind,
     pub priority: Priority,
     pub input: Value,
@@ -116,6 +120,7 @@ impl NewJob {
     pub fn new(kind: JobKind, input: Value) -> Self {
         NewJob {
             id: Uuid::now_v7(),
+            tenant: "default".into(),
             kind,
             priority: Priority::default(),
             input,

@@ -9,6 +9,7 @@
 //!   queue and restore Redis from Postgres after it lost data.
 //! - [`ObjectStore`]: S3-compatible storage for uploads and job outputs.
 
+pub mod api_keys;
 pub mod config;
 pub mod error;
 pub mod file_ref;

@@ -23,6 +23,7 @@ static SETTLE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/se
 static CANCEL: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/cancel.lua")));
 static REAP: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/reap.lua")));
 static RESTORE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/restore.lua")));
+static RATE_LIMIT: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/rate_limit.lua")));
 
 /// Most jobs passed to one script call; larger sets are sent in chunks so no script holds Redis
 /// for long and no variable-length argument list grows without bound.
@@ -291,6 +292,19 @@ impl Queue {
             restored += n;
         }
         Ok(restored)
+    }
+
+    /// Takes a token from `bucket`'s token bucket (`per_second` refill, `burst` size), shared by
+    /// every process using this Redis. `None` when one was taken, else how long until one is.
+    pub async fn take_token(&self, bucket: &str, per_second: f64, burst: f64) -> Result<Option<std::time::Duration>> {
+        let mut c = self.conn().await?;
+        let wait_ms: i64 = RATE_LIMIT
+            .key(format!("{}:ratelimit:{bucket}", self.prefix))
+            .arg(per_second)
+            .arg(burst)
+            .invoke_async(&mut *c)
+            .await?;
+        Ok((wait_ms > 0).then(|| std::time::Duration::from_millis(wait_ms as u64)))
     }
 
     /// Records how far a running job got (`done` of `total` units: windows, tokens).

@@ -11,7 +11,7 @@ use sqlx::{PgPool, Row};
 use std::time::Duration;
 use uuid::Uuid;
 
-const JOB_COLUMNS: &str = "id, kind, priority, state, input, cost, attempts, max_attempts, run_at, \
+const JOB_COLUMNS: &str = "id, tenant, kind, priority, state, input, cost, attempts, max_attempts, run_at, \
     timeout_ms, metadata, idempotency_key, request_sha256, created_at, started_at, finished_at, \
     worker_id, lease_token, cancel_requested, error, output, webhook";
 
@@ -24,6 +24,8 @@ pub struct Store {
 /// Filters of [`Store::list`].
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
+    /// Only this tenant's jobs.
+    pub tenant: Option<String>,
     pub state: Option<JobState>,
     pub kind: Option<JobKind>,
     /// Only jobs older than this id (ids are UUID v7, so this is keyset pagination by age).
@@ -131,7 +133,9 @@ impl Store {
         let mut keys = Vec::with_capacity(jobs.len());
         let mut hashes = Vec::with_capacity(jobs.len());
         let mut webhooks = Vec::with_capacity(jobs.len());
+        let mut tenants = Vec::with_capacity(jobs.len());
         for job in jobs {
+            tenants.push(job.tenant.as_str());
             ids.push(job.id);
             kinds.push(job.kind.as_str());
             priorities.push(job.priority.as_str());
@@ -149,14 +153,14 @@ impl Store {
         let sql = format!(
             "WITH inserted AS (
                 INSERT INTO jobs (id, kind, priority, state, input, cost, max_attempts, run_at,
-                                  timeout_ms, metadata, idempotency_key, request_sha256, webhook)
+                                  timeout_ms, metadata, idempotency_key, request_sha256, webhook, tenant)
                 SELECT id, kind, priority, state, input::jsonb, cost, max_attempts, run_at,
-                       timeout_ms, metadata::jsonb, idempotency_key, request_sha256, webhook::jsonb
+                       timeout_ms, metadata::jsonb, idempotency_key, request_sha256, webhook::jsonb, tenant
                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int4[],
                             $7::int4[], $8::timestamptz[], $9::int8[], $10::text[], $11::text[],
-                            $12::text[], $13::text[])
+                            $12::text[], $13::text[], $14::text[])
                      AS t(id, kind, priority, state, input, cost, max_attempts, run_at, timeout_ms,
-                          metadata, idempotency_key, request_sha256, webhook)
+                          metadata, idempotency_key, request_sha256, webhook, tenant)
                 ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING {JOB_COLUMNS}
             ), events AS (
@@ -178,6 +182,7 @@ impl Store {
             .bind(&keys)
             .bind(&hashes)
             .bind(&webhooks)
+            .bind(&tenants)
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(job_from_row).collect()
@@ -200,7 +205,7 @@ impl Store {
         let sql = format!(
             "SELECT {JOB_COLUMNS} FROM jobs
              WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR kind = $2)
-               AND ($3::uuid IS NULL OR id < $3)
+               AND ($3::uuid IS NULL OR id < $3) AND ($5::text IS NULL OR tenant = $5)
              ORDER BY id DESC LIMIT $4"
         );
         let rows = sqlx::query(&sql)
@@ -208,9 +213,20 @@ impl Store {
             .bind(filter.kind.map(JobKind::as_str))
             .bind(filter.before)
             .bind(filter.limit)
+            .bind(filter.tenant.as_deref())
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(job_from_row).collect()
+    }
+
+    /// Jobs of `tenant` waiting to run (queued, scheduled or retrying).
+    pub async fn waiting_for_tenant(&self, tenant: &str) -> Result<i64> {
+        Ok(sqlx::query_scalar(
+            "SELECT count(*) FROM jobs WHERE tenant = $1 AND state IN ('queued', 'scheduled', 'retrying')",
+        )
+        .bind(tenant)
+        .fetch_one(&self.pool)
+        .await?)
     }
 
     /// The job's timeline, oldest first.
@@ -450,6 +466,7 @@ fn job_from_row(r: &PgRow) -> Result<Job> {
     let webhook: Option<Value> = r.try_get("webhook")?;
     Ok(Job {
         id: r.try_get("id")?,
+        tenant: r.try_get("tenant")?,
         kind: parse_kind(r.try_get("kind")?)?,
         priority: parse_priority(r.try_get("priority")?)?,
         state: parse_state(r.try_get("state")?)?,

@@ -150,6 +150,8 @@ pub struct Cluster {
     pub pg: PgPool,
     pub objects: ObjectStore,
     pub api: Option<Process>,
+    /// An API key of tenant `default` with every scope; `http` sends it with each request.
+    pub api_key: String,
     api_env: Vec<(String, String)>,
     api_port: u16,
     workers: usize,
@@ -193,6 +195,7 @@ impl Cluster {
             key_prefix,
             objects,
             api: None,
+            api_key: String::new(),
             api_env: api_env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             api_port,
             workers: 0,
@@ -200,7 +203,37 @@ impl Cluster {
             name,
         };
         cluster.start_api().await?;
+        cluster.api_key = cluster.create_key("default", "jobs:write,jobs:read,admin")?;
+        cluster.http = cluster.client_for(&cluster.api_key)?;
         Ok(cluster)
+    }
+
+    /// Creates an API key with `tern-api keys create` (the operator's way) and returns it.
+    pub fn create_key(&self, tenant: &str, scopes: &str) -> Result<String> {
+        let mut cmd = Command::new(bin_dir().join("tern-api"));
+        for (k, _) in std::env::vars() {
+            if k.starts_with("TERN_") {
+                cmd.env_remove(k);
+            }
+        }
+        let out = cmd
+            .envs(self.base_env())
+            .args(["keys", "create", "--tenant", tenant, "--scope", scopes])
+            .output()
+            .context("running tern-api keys create")?;
+        if !out.status.success() {
+            bail!("tern-api keys create failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8(out.stdout)?.trim().to_string())
+    }
+
+    /// An HTTP client that sends `key` with every request (`None`: no key).
+    pub fn client_for(&self, key: &str) -> Result<reqwest::Client> {
+        let mut headers = reqwest::header::HeaderMap::new();
+        if !key.is_empty() {
+            headers.insert(reqwest::header::AUTHORIZATION, format!("Bearer {key}").parse()?);
+        }
+        Ok(reqwest::Client::builder().timeout(Duration::from_secs(60)).default_headers(headers).build()?)
     }
 
     fn base_env(&self) -> Vec<(String, String)> {
@@ -216,6 +249,8 @@ impl Cluster {
             ("TERN_S3_SECRET_KEY", s3_secret_key()),
             ("TERN_MODELS_DIR", models_dir().display().to_string()),
             ("TERN_LOG", std::env::var("TERN_TEST_LOG").unwrap_or_else(|_| "info".into())),
+            // Tests and benchmarks poll hard with one key; the rate-limit test turns it on.
+            ("TERN_RATE_LIMIT_PER_SEC", "0".into()),
         ];
         env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }

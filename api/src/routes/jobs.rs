@@ -1,5 +1,6 @@
 //! `/v1/jobs`: submit, batch submit, get, list, timeline, cancel.
 
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::submission::{self, Submission};
@@ -76,7 +77,18 @@ async fn views(state: &AppState, jobs: &[Job]) -> Result<Vec<Value>, ApiError> {
 }
 
 /// Refuses work past the queue's configured depth.
-async fn admit(state: &AppState, jobs: &[NewJob]) -> Result<(), ApiError> {
+async fn admit(state: &AppState, tenant: &str, jobs: &[NewJob]) -> Result<(), ApiError> {
+    if let (Some(cap), false) = (state.limits.max_queued_per_tenant, jobs.is_empty()) {
+        let waiting = state.store.waiting_for_tenant(tenant).await?;
+        if waiting + jobs.len() as i64 > cap {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "tenant_queue_full",
+                format!("tenant {tenant} has {waiting} jobs waiting; its limit is {cap}"),
+            )
+            .retry_after(5));
+        }
+    }
     if !state.webhooks_enabled && jobs.iter().any(|j| j.webhook.is_some()) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -120,7 +132,8 @@ async fn insert_and_enqueue(state: &AppState, jobs: &[NewJob]) -> Result<Vec<Job
 async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiError> {
     let Some(key) = &job.idempotency_key else { return Ok(None) };
     let Some(existing) = state.store.get_by_idempotency_key(key).await? else { return Ok(None) };
-    if existing.request_sha256 != job.request_sha256 {
+    // Another tenant's key is a conflict like any other, and tells nothing about its job.
+    if existing.request_sha256 != job.request_sha256 || existing.tenant != job.tenant {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "idempotency_conflict",
@@ -134,15 +147,19 @@ async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiErro
 /// replays the same request.
 pub async fn submit(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let tenant = caller.require("jobs:write")?.tenant.clone();
     let value = json_body(body)?;
     let Submission { mut job } = submission::parse(&value, idempotency_header(&headers)?)?;
+    job.tenant = tenant.clone();
+    submission::check_upload_tenant(&job, &tenant)?;
     if let Some(existing) = replayed(&state, &job).await? {
         return Ok((StatusCode::OK, Json(job_view(&state, &existing, true).await?)).into_response());
     }
-    admit(&state, std::slice::from_ref(&job)).await?;
+    admit(&state, &tenant, std::slice::from_ref(&job)).await?;
     submission::store_inline_files(&mut job, &state.objects, state.limits.max_audio_seconds).await?;
     let inserted = insert_and_enqueue(&state, std::slice::from_ref(&job)).await?;
     match inserted.first() {
@@ -159,8 +176,10 @@ pub async fn submit(
 /// in one transaction; any bad job refuses the whole batch, with the index of the first one.
 pub async fn submit_batch(
     State(state): State<AppState>,
+    caller: Caller,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let tenant = caller.require("jobs:write")?.tenant.clone();
     let value = json_body(body)?;
     let items = value
         .get("jobs")
@@ -174,10 +193,12 @@ pub async fn submit_batch(
     }
     let mut jobs = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
-        let Submission { job } = submission::parse(item, None).map_err(|mut e| {
+        let Submission { mut job } = submission::parse(item, None).map_err(|mut e| {
             e.message = format!("jobs[{i}]: {}", e.message);
             e
         })?;
+        job.tenant = tenant.clone();
+        submission::check_upload_tenant(&job, &tenant)?;
         jobs.push(job);
     }
     // Replays keep their earlier job; only new requests are inserted.
@@ -186,7 +207,7 @@ pub async fn submit_batch(
         results.push(replayed(&state, job).await?);
     }
     let mut fresh: Vec<NewJob> = jobs.into_iter().zip(&results).filter(|(_, r)| r.is_none()).map(|(j, _)| j).collect();
-    admit(&state, &fresh).await?;
+    admit(&state, &tenant, &fresh).await?;
     for job in &mut fresh {
         submission::store_inline_files(job, &state.objects, state.limits.max_audio_seconds).await?;
     }
@@ -216,16 +237,23 @@ fn parse_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(id).map_err(|_| ApiError::not_found())
 }
 
+/// The caller's job `id`: another tenant's job is 404, exactly like a missing one.
+async fn own_job(state: &AppState, tenant: &str, id: Uuid) -> Result<Job, ApiError> {
+    state.store.get(id).await?.filter(|j| j.tenant == tenant).ok_or_else(ApiError::not_found)
+}
+
 /// `GET /v1/jobs/{id}`.
-pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
-    let job = state.store.get(parse_id(&id)?).await?.ok_or_else(ApiError::not_found)?;
+pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let tenant = &caller.require("jobs:read")?.tenant;
+    let job = own_job(&state, tenant, parse_id(&id)?).await?;
     Ok(Json(job_view(&state, &job, true).await?))
 }
 
 /// `GET /v1/jobs/{id}/events`: the job's timeline, oldest first.
-pub async fn events(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn events(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let tenant = &caller.require("jobs:read")?.tenant;
     let id = parse_id(&id)?;
-    state.store.get(id).await?.ok_or_else(ApiError::not_found)?;
+    own_job(&state, tenant, id).await?;
     Ok(Json(json!({ "events": state.store.events(id).await? })))
 }
 
@@ -238,8 +266,10 @@ pub struct ListQuery {
 }
 
 /// `GET /v1/jobs?state=&kind=&limit=&cursor=`: newest first; `next_cursor` fetches the next page.
-pub async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
+pub async fn list(State(state): State<AppState>, caller: Caller, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
+    let tenant = caller.require("jobs:read")?.tenant.clone();
     let filter = ListFilter {
+        tenant: Some(tenant),
         state: q
             .state
             .as_deref()
@@ -276,8 +306,10 @@ pub async fn list(State(state): State<AppState>, Query(q): Query<ListQuery>) -> 
 
 /// `POST /v1/jobs/{id}/cancel`: 200 with the canceled job if it was waiting; 202 if it is
 /// running (its worker stops it at its next check, within about a second); 409 if it finished.
-pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let tenant = &caller.require("jobs:write")?.tenant;
     let id = parse_id(&id)?;
+    own_job(&state, tenant, id).await?;
     match state.store.cancel(id).await? {
         CancelOutcome::NotFound => Err(ApiError::not_found()),
         CancelOutcome::Canceled(job) => {
@@ -298,10 +330,10 @@ pub async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Re
 
 /// `GET /v1/jobs/{id}/deliveries`: the job's webhook deliveries, oldest first, each with its
 /// attempts (status, latency, error).
-pub async fn deliveries(State(state): State<AppState>, Path(id): Path<Uuid>) -> Result<Json<Value>, ApiError> {
-    if state.store.get(id).await?.is_none() {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}")));
-    }
+pub async fn deliveries(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let tenant = &caller.require("jobs:read")?.tenant;
+    let id = parse_id(&id)?;
+    own_job(&state, tenant, id).await?;
     let rows: Vec<Value> = sqlx::query_scalar(
         "SELECT jsonb_build_object(
                 'id', 'msg_' || replace(d.id::text, '-', ''), 'delivery_id', d.id, 'event', d.event,
@@ -322,11 +354,15 @@ pub async fn deliveries(State(state): State<AppState>, Path(id): Path<Uuid>) -> 
 
 /// `POST /v1/deliveries/{delivery_id}/replay`: sends a delivery again (whatever became of it),
 /// with a fresh retry schedule. 202.
-pub async fn replay(State(state): State<AppState>, Path(id): Path<Uuid>) -> Result<Response, ApiError> {
+pub async fn replay(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let tenant = &caller.require("jobs:write")?.tenant;
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such delivery"))?;
     let updated = sqlx::query(
-        "UPDATE webhook_deliveries SET state = 'pending', attempts = 0, next_attempt_at = now() WHERE id = $1",
+        "UPDATE webhook_deliveries d SET state = 'pending', attempts = 0, next_attempt_at = now()
+         FROM jobs j WHERE d.id = $1 AND j.id = d.job_id AND j.tenant = $2",
     )
     .bind(id)
+    .bind(tenant)
     .execute(state.store.pool())
     .await
     .map_err(tern_jobs::Error::from)?;

@@ -1,5 +1,6 @@
 //! The HTTP routes.
 
+pub mod admin;
 pub mod health;
 pub mod jobs;
 pub mod uploads;
@@ -23,6 +24,8 @@ pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
         .route("/v1/jobs/{id}/deliveries", get(jobs::deliveries))
         .route("/v1/deliveries/{id}/replay", post(jobs::replay))
         .route("/v1/uploads", post(uploads::create))
+        .route("/v1/admin/keys", post(admin::create_key).get(admin::list_keys))
+        .route("/v1/admin/keys/{id}/revoke", post(admin::revoke_key))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(std::sync::Arc::new(cors), crate::middleware::wrap))

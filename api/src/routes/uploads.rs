@@ -1,5 +1,6 @@
 //! `POST /v1/uploads`: a presigned PUT URL for a file too large to send as base64.
 
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::state::AppState;
 use axum::extract::State;
@@ -10,10 +11,17 @@ use tern_jobs::file_ref::UPLOAD_PREFIX;
 use uuid::Uuid;
 
 /// Returns `{upload_key, url, method, expires_at}`: PUT the file's bytes to `url`, then pass
-/// `{"upload_key": ...}` as the job's file.
-pub async fn create(State(state): State<AppState>) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let key = format!("{UPLOAD_PREFIX}{}", Uuid::now_v7());
+/// `{"upload_key": ...}` as the job's file. Keys live under the tenant's own prefix, so one
+/// tenant cannot name another's upload.
+pub async fn create(State(state): State<AppState>, caller: Caller) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let tenant = &caller.require("jobs:write")?.tenant;
+    let key = format!("{UPLOAD_PREFIX}{}/{}", tenant_segment(tenant), Uuid::now_v7());
     let url = state.objects.presign_put(&key).await?;
     let expires_at = chrono::Utc::now() + chrono::Duration::from_std(state.objects.presign_ttl()).unwrap_or_default();
     Ok((StatusCode::CREATED, Json(json!({ "upload_key": key, "url": url, "method": "PUT", "expires_at": expires_at }))))
+}
+
+/// The tenant as one key segment.
+pub fn tenant_segment(tenant: &str) -> String {
+    tenant.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '~' }).collect()
 }
