@@ -168,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
         },
         keys,
         webhooks_enabled: args.webhook_secrets.is_some(),
+        allow_private_urls: args.services.allow_private_urls,
     }));
     let dispatcher_task = args.webhook_secrets.clone().map(|signer| {
         let schedule = if args.webhook_schedule_ms.is_empty() {
@@ -178,7 +179,12 @@ async fn main() -> anyhow::Result<()> {
         let dispatcher = webhooks::Dispatcher {
             state: state.clone(),
             signer,
-            http: reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().expect("HTTP client"),
+            allow_private: args.services.allow_private_urls,
+            // Redirects are not followed: a receiver must answer at the URL it registered.
+            http: tern_jobs::egress::guarded_builder(args.services.allow_private_urls)
+                .redirect(reqwest::redirect::Policy::none())
+                .build()
+                .expect("HTTP client"),
             schedule: schedule.into_iter().map(Duration::from_millis).collect(),
             poll: Duration::from_millis(args.webhook_poll_ms.max(10)),
             batch: 32,

@@ -14,6 +14,8 @@ pub struct Inner {
     pub limits: Limits,
     /// Whether webhook secrets are configured: jobs may name a webhook only then.
     pub webhooks_enabled: bool,
+    /// Whether file URLs and webhook targets may be internal addresses.
+    pub allow_private_urls: bool,
 }
 
 /// Admission limits.

@@ -131,6 +131,24 @@ pub fn check_upload_tenant(job: &NewJob, tenant: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Refuses file URLs and webhook targets that are not http(s) or that point at internal
+/// addresses (literal, or by what their host resolves to now): 422 `url_forbidden`. The worker
+/// and the dispatcher check again when they connect.
+pub async fn check_urls(job: &NewJob, allow_private: bool) -> Result<(), ApiError> {
+    let forbidden = |what: String, e: tern_jobs::egress::Forbidden| {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "url_forbidden", format!("{what}: {}", e.0))
+    };
+    for field in job.kind.file_fields() {
+        if let Some(Ok(FileRef::Url(url))) = job.input.get(*field).map(FileRef::parse) {
+            tern_jobs::egress::check_url_resolving(&url, allow_private).await.map_err(|e| forbidden(format!("input.{field}"), e))?;
+        }
+    }
+    if let Some(hook) = &job.webhook {
+        tern_jobs::egress::check_url_resolving(&hook.url, allow_private).await.map_err(|e| forbidden("webhook.url".into(), e))?;
+    }
+    Ok(())
+}
+
 /// Longest webhook URL accepted.
 const WEBHOOK_URL_MAX: usize = 2048;
 

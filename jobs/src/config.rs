@@ -142,4 +142,8 @@ pub struct ServiceArgs {
     /// Longest audio (seconds) a transcription job may bring; longer fails with `audio_too_long`.
     #[arg(long, env = "TERN_MAX_AUDIO_SECONDS", default_value_t = 7200.0)]
     pub max_audio_seconds: f64,
+    /// Let audio URLs and webhook targets reach loopback, private, link-local and other internal
+    /// addresses. Off by default (such URLs get `url_forbidden`); for local development and tests.
+    #[arg(long, env = "TERN_ALLOW_PRIVATE_URLS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub allow_private_urls: bool,
 }

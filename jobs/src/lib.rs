@@ -11,6 +11,7 @@
 
 pub mod api_keys;
 pub mod config;
+pub mod egress;
 pub mod error;
 pub mod file_ref;
 pub mod job;

@@ -251,6 +251,8 @@ impl Cluster {
             ("TERN_LOG", std::env::var("TERN_TEST_LOG").unwrap_or_else(|_| "info".into())),
             // Tests and benchmarks poll hard with one key; the rate-limit test turns it on.
             ("TERN_RATE_LIMIT_PER_SEC", "0".into()),
+            // Receivers and file servers in tests live on 127.0.0.1; the SSRF test turns this off.
+            ("TERN_ALLOW_PRIVATE_URLS", "true".into()),
         ];
         env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }

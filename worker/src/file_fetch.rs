@@ -11,7 +11,10 @@ pub const URL_FETCH_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub struct FileFetcher {
     pub objects: ObjectStore,
+    /// A client from [`tern_jobs::egress::client`]: internal addresses refused.
     pub http: reqwest::Client,
+    /// Whether internal addresses may be fetched (`TERN_ALLOW_PRIVATE_URLS`).
+    pub allow_private: bool,
     /// Largest file a job may bring.
     pub max_bytes: u64,
 }
@@ -30,13 +33,12 @@ impl FileFetcher {
     }
 
     async fn fetch_url(&self, url: &str) -> Result<Bytes, (Failure, bool)> {
-        let resp = self
-            .http
-            .get(url)
-            .timeout(URL_FETCH_TIMEOUT)
-            .send()
-            .await
-            .map_err(|e| (Failure::new("file_unreachable", format!("fetching {url}: {e}")), false))?;
+        let forbidden = |m: String| (Failure::new("url_forbidden", m), true);
+        tern_jobs::egress::check_url(url, self.allow_private).map_err(|e| forbidden(e.0))?;
+        let resp = self.http.get(url).timeout(URL_FETCH_TIMEOUT).send().await.map_err(|e| match tern_jobs::egress::forbidden_cause(&e) {
+            Some(why) => forbidden(why),
+            None => (Failure::new("file_unreachable", format!("fetching {url}: {e}")), false),
+        })?;
         let status = resp.status();
         if !status.is_success() {
             // 4xx will not heal by itself; 5xx might.

@@ -155,7 +155,12 @@ async fn main() -> anyhow::Result<()> {
         store,
         queue,
         objects: objects.clone(),
-        files: file_fetch::FileFetcher { objects, http: reqwest::Client::new(), max_bytes: cli.max_file_bytes },
+        files: file_fetch::FileFetcher {
+            objects,
+            http: tern_jobs::egress::client(cli.services.allow_private_urls, file_fetch::URL_FETCH_TIMEOUT),
+            allow_private: cli.services.allow_private_urls,
+            max_bytes: cli.max_file_bytes,
+        },
         uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
         engine: kinds.iter().any(|k| *k != JobKind::Echo).then(|| {
             let budget = cli.memory_budget.unwrap_or_else(resources::default_budget);

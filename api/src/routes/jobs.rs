@@ -160,6 +160,7 @@ pub async fn submit(
         return Ok((StatusCode::OK, Json(job_view(&state, &existing, true).await?)).into_response());
     }
     admit(&state, &tenant, std::slice::from_ref(&job)).await?;
+    submission::check_urls(&job, state.allow_private_urls).await?;
     submission::store_inline_files(&mut job, &state.objects, state.limits.max_audio_seconds).await?;
     let inserted = insert_and_enqueue(&state, std::slice::from_ref(&job)).await?;
     match inserted.first() {
@@ -208,6 +209,9 @@ pub async fn submit_batch(
     }
     let mut fresh: Vec<NewJob> = jobs.into_iter().zip(&results).filter(|(_, r)| r.is_none()).map(|(j, _)| j).collect();
     admit(&state, &tenant, &fresh).await?;
+    for job in &fresh {
+        submission::check_urls(job, state.allow_private_urls).await?;
+    }
     for job in &mut fresh {
         submission::store_inline_files(job, &state.objects, state.limits.max_audio_seconds).await?;
     }

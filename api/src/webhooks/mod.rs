@@ -30,6 +30,8 @@ const RETRY_AFTER_MAX: Duration = Duration::from_secs(24 * 3600);
 #[derive(Clone)]
 pub struct Dispatcher {
     pub state: AppState,
+    /// Whether targets may be internal addresses (`TERN_ALLOW_PRIVATE_URLS`).
+    pub allow_private: bool,
     pub signer: Signer,
     pub http: reqwest::Client,
     /// Delays before each retry (the first entry is the first attempt's delay).
@@ -51,6 +53,8 @@ struct Due {
 
 /// What one attempt came to.
 struct Attempt {
+    /// The target is an address tern may not reach: no retry can help.
+    forbidden: bool,
     status: Option<u16>,
     error: Option<String>,
     retry_after: Option<Duration>,
@@ -123,7 +127,11 @@ impl Dispatcher {
 
     async fn attempt(&self, d: &Due) -> Attempt {
         let started = Instant::now();
-        let failed = |error: String| Attempt { status: None, error: Some(error), retry_after: None, latency: started.elapsed() };
+        let failed =
+            |error: String| Attempt { forbidden: false, status: None, error: Some(error), retry_after: None, latency: started.elapsed() };
+        if let Err(e) = tern_jobs::egress::check_url(&d.url, self.allow_private) {
+            return Attempt { forbidden: true, ..failed(e.0) };
+        }
         let job = match self.state.store.get(d.job_id).await {
             Ok(Some(job)) => job,
             Ok(None) => return failed("the job no longer exists".into()),
@@ -163,13 +171,18 @@ impl Dispatcher {
                     .and_then(|v| v.trim().parse::<u64>().ok())
                     .map(|s| Duration::from_secs(s).min(RETRY_AFTER_MAX));
                 Attempt {
+                    forbidden: false,
                     status: Some(status.as_u16()),
                     error: (!status.is_success()).then(|| format!("the receiver answered {status}")),
                     retry_after,
                     latency: started.elapsed(),
                 }
             }
-            Err(e) => failed(if e.is_timeout() { format!("no answer within {} s", TIMEOUT.as_secs()) } else { e.to_string() }),
+            Err(e) => match tern_jobs::egress::forbidden_cause(&e) {
+                Some(why) => Attempt { forbidden: true, ..failed(why) },
+                None if e.is_timeout() => failed(format!("no answer within {} s", TIMEOUT.as_secs())),
+                None => failed(e.to_string()),
+            },
         }
     }
 
@@ -178,6 +191,7 @@ impl Dispatcher {
     async fn record(&self, d: &Due, a: &Attempt) -> Result<(), sqlx::Error> {
         let attempts = d.attempts + 1;
         let (state, next): (&str, Option<Duration>) = match a.status {
+            _ if a.forbidden => ("failed", None),
             Some(s) if (200..300).contains(&s) => ("delivered", None),
             Some(410) => ("disabled", None),
             _ => match self.schedule.get(attempts as usize) {
