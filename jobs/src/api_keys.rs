@@ -35,6 +35,7 @@ pub struct ApiKey {
     pub name: Option<String>,
     pub created_at: DateTime<Utc>,
     pub revoked_at: Option<DateTime<Utc>>,
+    /// When the key was last used, to the minute.
     pub last_used_at: Option<DateTime<Utc>>,
 }
 
@@ -93,8 +94,9 @@ impl ApiKeys {
             return Ok(Err(KeyRejection::Malformed));
         };
         let row = sqlx::query(
-            "UPDATE api_keys SET last_used_at = now() WHERE prefix = $1
-             RETURNING id, prefix, sha256, tenant, scopes, revoked_at",
+            "SELECT id, prefix, sha256, tenant, scopes, revoked_at,
+                    last_used_at IS NULL OR last_used_at < now() - interval '1 minute' AS stale
+             FROM api_keys WHERE prefix = $1",
         )
         .bind(prefix)
         .fetch_optional(&self.pool)
@@ -110,6 +112,10 @@ impl ApiKeys {
         let revoked: Option<DateTime<Utc>> = row.try_get("revoked_at")?;
         if revoked.is_some() {
             return Ok(Err(KeyRejection::Revoked));
+        }
+        // last_used_at to the minute: a write per request would cost every request a commit.
+        if row.try_get::<bool, _>("stale")? {
+            sqlx::query("UPDATE api_keys SET last_used_at = now() WHERE prefix = $1").bind(prefix).execute(&self.pool).await?;
         }
         Ok(Ok(Principal {
             key_id: row.try_get("id")?,

@@ -60,8 +60,16 @@ pub struct Webhook {
     pub events: Option<Vec<String>>,
 }
 
-/// The events a webhook can ask for.
-pub const WEBHOOK_EVENTS: &[&str] = &["job.started", "job.succeeded", "job.failed", "job.canceled"];
+/// The events a webhook can ask for. `job.progress` (at most one a second per job) is sent only
+/// when asked for by name; the others are the default.
+pub const WEBHOOK_EVENTS: &[&str] = &["job.started", "job.progress", "job.succeeded", "job.failed", "job.canceled"];
+
+impl Webhook {
+    /// Whether the job's progress is to be sent.
+    pub fn wants_progress(&self) -> bool {
+        self.events.as_ref().is_some_and(|e| e.iter().any(|e| e == "job.progress"))
+    }
+}
 
 /// Why an attempt failed: a stable machine-readable `code` and a message for people.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

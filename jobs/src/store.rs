@@ -219,6 +219,24 @@ impl Store {
         rows.iter().map(job_from_row).collect()
     }
 
+    /// Queues a `job.progress` webhook delivery for a running job that asked for them, unless one
+    /// was queued in the last second (receivers get at most one a second per job).
+    pub async fn progress_event(&self, id: Uuid) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO webhook_deliveries (id, job_id, event, url)
+             SELECT gen_random_uuid(), j.id, 'job.progress', j.webhook->>'url' FROM jobs j
+             WHERE j.id = $1 AND j.state = 'running' AND (j.webhook->'events') ? 'job.progress'
+               AND NOT coalesce((j.webhook->>'disabled')::boolean, false)
+               AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d
+                               WHERE d.job_id = j.id AND d.event = 'job.progress'
+                                 AND d.created_at > clock_timestamp() - interval '1 second')",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// Jobs of `tenant` waiting to run (queued, scheduled or retrying).
     pub async fn waiting_for_tenant(&self, tenant: &str) -> Result<i64> {
         Ok(sqlx::query_scalar(

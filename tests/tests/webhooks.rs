@@ -257,3 +257,38 @@ async fn without_a_secret_jobs_cannot_name_a_webhook() {
         .unwrap();
     assert_eq!((status, err["error"]["code"].as_str()), (422, Some("webhooks_not_configured")), "{err}");
 }
+
+#[tokio::test]
+async fn progress_events_come_when_asked_for_at_most_one_a_second() {
+    let (receiver, url) = Receiver::start(vec![], None).await;
+    let mut cluster = Cluster::start(&api_env("0,200,200")).await.unwrap();
+    let ids = cluster
+        .submit_all(&[json!({
+            "kind": "generate",
+            "input": {"prompt": "Here is a long list of fruits, one per line:\n", "temperature": 0, "max_tokens": 200},
+            "webhook": {"url": url, "events": ["job.progress", "job.succeeded"]}
+        })])
+        .await
+        .unwrap();
+    let _w = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "generate")]).unwrap();
+    cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
+    let history = deliveries(&cluster, ids[0]).await;
+    wait_deliveries_settled(&cluster, &ids, history.len()).await;
+    let got = receiver.got();
+    assert_each_event_once(&got, history.len());
+    let types: Vec<String> = got.iter().map(|r| r.json()["type"].as_str().unwrap().to_string()).collect();
+    assert!(types.iter().filter(|t| *t == "job.progress").count() >= 2, "{types:?}");
+    assert_eq!(types.last().map(String::as_str), Some("job.succeeded"), "{types:?}");
+    assert!(!types.iter().any(|t| t == "job.started"), "only the events asked for");
+    let progress = got.iter().map(Received::json).find(|v| v["type"] == "job.progress").unwrap();
+    assert!(progress["data"]["progress"]["done"].as_u64().is_some(), "{progress}");
+    // At most one a second: the outbox rows are at least a second apart.
+    let times: Vec<chrono::DateTime<chrono::Utc>> = history
+        .iter()
+        .filter(|d| d["event"] == "job.progress")
+        .map(|d| d["created_at"].as_str().unwrap().parse().unwrap())
+        .collect();
+    for pair in times.windows(2) {
+        assert!((pair[1] - pair[0]).num_milliseconds() >= 1000, "{times:?}");
+    }
+}

@@ -178,6 +178,7 @@ impl Runner {
             files: &self.files,
             stop,
             queue: &self.queue,
+            store: &self.store,
             engine: self.engine.as_deref(),
             max_audio_seconds: self.settings.max_audio_seconds,
         };

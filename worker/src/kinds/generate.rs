@@ -59,6 +59,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             if let Err(e) = ctx.queue.set_progress_text(job.kind, job.id, tokens as u64, max_tokens as u64, &text).await {
                 tracing::warn!(error = %e, "could not record progress");
             }
+            super::progress_event(job, ctx).await;
         }
     };
     let work = async { tokio::join!(engine.generate(prompt, options(input), progress_tx, stop.clone()), report) };

@@ -42,6 +42,8 @@ pub struct Context<'a> {
     pub files: &'a FileFetcher,
     pub stop: &'a StopSignal,
     pub queue: &'a Queue,
+    /// For `job.progress` webhook events.
+    pub store: &'a tern_jobs::Store,
     /// The model thread, when this worker runs model kinds.
     pub engine: Option<&'a Engine>,
     /// Longest audio accepted, seconds.
@@ -66,6 +68,16 @@ pub fn json_output(body: &serde_json::Value) -> Execution {
         extension: "json",
         extras: Vec::new(),
         inline: true,
+    }
+}
+
+/// Sends a `job.progress` webhook event if the job asked for them (throttled to one a second in
+/// Postgres). A failure only costs the event: progress is advisory.
+pub async fn progress_event(job: &Job, ctx: &Context<'_>) {
+    if job.webhook.as_ref().is_some_and(tern_jobs::Webhook::wants_progress) {
+        if let Err(e) = ctx.store.progress_event(job.id).await {
+            tracing::warn!(error = %e, "could not queue a progress webhook");
+        }
     }
 }
 

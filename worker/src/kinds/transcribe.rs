@@ -51,6 +51,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             if let Err(e) = ctx.queue.set_progress(job.kind, job.id, done as u64, total as u64).await {
                 tracing::warn!(error = %e, "could not record progress");
             }
+            super::progress_event(job, ctx).await;
         }
     };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
