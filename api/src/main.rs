@@ -170,7 +170,8 @@ async fn main() -> anyhow::Result<()> {
         webhooks_enabled: args.webhook_secrets.is_some(),
         allow_private_urls: args.services.allow_private_urls,
     }));
-    let dispatcher_task = args.webhook_secrets.clone().map(|signer| {
+    let dispatcher_task = {
+        let signer = args.webhook_secrets.clone();
         let schedule = if args.webhook_schedule_ms.is_empty() {
             webhooks::DEFAULT_SCHEDULE_MS.to_vec()
         } else {
@@ -190,16 +191,14 @@ async fn main() -> anyhow::Result<()> {
             batch: 32,
         };
         tokio::spawn(dispatcher.run(stop_rx.clone()))
-    });
+    };
     let app = routes::router(state, middleware::Cors { origins: args.cors_origins.clone() });
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     tracing::info!(listen = %args.listen, bucket = %args.services.s3.s3_bucket, "tern-api ready");
     axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
     let _ = stop_tx.send(true);
     let _ = tokio::join!(reaper_task, reconciler_task);
-    if let Some(task) = dispatcher_task {
-        let _ = task.await;
-    }
+    let _ = dispatcher_task.await;
     tracing::info!("tern-api stopped");
     Ok(())
 }

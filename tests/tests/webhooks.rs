@@ -292,3 +292,70 @@ async fn progress_events_come_when_asked_for_at_most_one_a_second() {
         assert!((pair[1] - pair[0]).num_milliseconds() >= 1000, "{times:?}");
     }
 }
+
+#[tokio::test]
+async fn tenant_endpoints_get_their_tenants_events_only_with_their_own_rotating_secret() {
+    let (a_receiver, a_url) = Receiver::start(vec![], None).await;
+    let (b_receiver, b_url) = Receiver::start(vec![], None).await;
+    // No server secret: endpoints sign with their own.
+    let mut cluster = Cluster::start(&[("TERN_WEBHOOK_SCHEDULE_MS", "0,200,200"), ("TERN_WEBHOOK_POLL_MS", "50")]).await.unwrap();
+    let a = cluster.client_for(&cluster.create_key("tenant-a", "jobs:write,jobs:read").unwrap()).unwrap();
+    let b = cluster.client_for(&cluster.create_key("tenant-b", "jobs:write,jobs:read").unwrap()).unwrap();
+    let base = cluster.url("");
+    let endpoint = |client: reqwest::Client, url: String, body: Value| {
+        let target = format!("{base}{url}");
+        async move {
+            let r = client.post(target).json(&body).send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, a_end) = endpoint(a.clone(), "/v1/webhooks/endpoints".into(), json!({"url": a_url})).await;
+    assert_eq!(status, 201, "{a_end}");
+    let (status, _) = endpoint(b.clone(), "/v1/webhooks/endpoints".into(), json!({"url": b_url, "events": ["job.succeeded"]})).await;
+    assert_eq!(status, 201);
+    let a_secret = a_end["secret"].as_str().unwrap().to_string();
+    let a_id = a_end["id"].as_str().unwrap().to_string();
+
+    let resp = a.post(cluster.url("/v1/jobs")).json(&json!({"kind": "echo", "input": {"message": "a"}})).send().await.unwrap();
+    assert_eq!(resp.status(), 201);
+    let job: Value = resp.json().await.unwrap();
+    let id: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    cluster.wait_terminal(&[id], Duration::from_secs(30)).await.unwrap();
+    cluster
+        .wait_until("A's endpoint has both events", Duration::from_secs(20), || async { Ok(a_receiver.got().len() >= 2) })
+        .await
+        .unwrap();
+    let got = a_receiver.got();
+    let now = chrono::Utc::now().timestamp();
+    for r in &got {
+        assert!(verify(&a_secret, &r.id, &r.timestamp, &r.body, &r.signature, now), "signed with the endpoint's secret");
+        assert!(!r.verifies(), "not with another secret");
+    }
+    let types: Vec<Value> = got.iter().map(|r| r.json()["type"].clone()).collect();
+    assert_eq!(types, [json!("job.started"), json!("job.succeeded")]);
+    assert!(b_receiver.got().is_empty(), "tenant B's endpoint hears nothing of A's jobs");
+    // B cannot see or touch A's endpoint.
+    let listed: Value = b.get(cluster.url("/v1/webhooks/endpoints")).send().await.unwrap().json().await.unwrap();
+    assert!(!listed.to_string().contains(&a_id));
+    let (status, _) = endpoint(b.clone(), format!("/v1/webhooks/endpoints/{a_id}/rotate"), json!({})).await;
+    assert_eq!(status, 404);
+
+    // Rotation: the next deliveries carry both signatures.
+    let (status, rotated) = endpoint(a.clone(), format!("/v1/webhooks/endpoints/{a_id}/rotate"), json!({})).await;
+    assert_eq!(status, 200);
+    let new_secret = rotated["secret"].as_str().unwrap().to_string();
+    let resp = a.post(cluster.url("/v1/jobs")).json(&json!({"kind": "echo", "input": {"message": "b"}})).send().await.unwrap();
+    let id2: Uuid = resp.json::<Value>().await.unwrap()["id"].as_str().unwrap().parse().unwrap();
+    cluster.wait_terminal(&[id2], Duration::from_secs(30)).await.unwrap();
+    cluster
+        .wait_until("two more events", Duration::from_secs(20), || async { Ok(a_receiver.got().len() >= 4) })
+        .await
+        .unwrap();
+    let later = a_receiver.got()[2].clone();
+    let now = chrono::Utc::now().timestamp();
+    assert_eq!(later.signature.split(' ').count(), 2, "{}", later.signature);
+    assert!(verify(&new_secret, &later.id, &later.timestamp, &later.body, &later.signature, now));
+    assert!(verify(&a_secret, &later.id, &later.timestamp, &later.body, &later.signature, now), "the old secret still verifies");
+}

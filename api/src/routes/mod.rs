@@ -1,6 +1,7 @@
 //! The HTTP routes.
 
 pub mod admin;
+pub mod endpoints;
 pub mod health;
 pub mod jobs;
 pub mod uploads;
@@ -24,6 +25,9 @@ pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
         .route("/v1/jobs/{id}/deliveries", get(jobs::deliveries))
         .route("/v1/deliveries/{id}/replay", post(jobs::replay))
         .route("/v1/uploads", post(uploads::create))
+        .route("/v1/webhooks/endpoints", post(endpoints::create).get(endpoints::list))
+        .route("/v1/webhooks/endpoints/{id}", axum::routing::delete(endpoints::delete))
+        .route("/v1/webhooks/endpoints/{id}/rotate", post(endpoints::rotate))
         .route("/v1/admin/keys", post(admin::create_key).get(admin::list_keys))
         .route("/v1/admin/keys/{id}/revoke", post(admin::revoke_key))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })

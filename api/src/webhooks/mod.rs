@@ -32,7 +32,9 @@ pub struct Dispatcher {
     pub state: AppState,
     /// Whether targets may be internal addresses (`TERN_ALLOW_PRIVATE_URLS`).
     pub allow_private: bool,
-    pub signer: Signer,
+    /// Signs per-job webhooks (`TERN_WEBHOOK_SECRETS`); `None`: jobs cannot name one.
+    /// Tenant endpoints sign with their own secrets.
+    pub signer: Option<Signer>,
     pub http: reqwest::Client,
     /// Delays before each retry (the first entry is the first attempt's delay).
     pub schedule: Vec<Duration>,
@@ -45,6 +47,8 @@ pub struct Dispatcher {
 struct Due {
     id: Uuid,
     job_id: Uuid,
+    /// The tenant endpoint it goes to, with that endpoint's secrets.
+    endpoint: Option<(Uuid, Vec<String>)>,
     event: String,
     url: String,
     attempts: i32,
@@ -84,16 +88,19 @@ impl Dispatcher {
     /// in order) and sends them concurrently.
     async fn tick(&self) -> Result<usize, sqlx::Error> {
         let rows = sqlx::query(
-            "UPDATE webhook_deliveries d SET next_attempt_at = now() + make_interval(secs => $2)
-             FROM (SELECT id FROM webhook_deliveries w
-                   WHERE state = 'pending' AND next_attempt_at <= now()
-                     AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
-                                     WHERE p.job_id = w.job_id AND p.state = 'pending'
-                                       AND p.created_at < w.created_at)
-                   ORDER BY next_attempt_at LIMIT $1
-                   FOR UPDATE SKIP LOCKED) due
-             WHERE d.id = due.id
-             RETURNING d.id, d.job_id, d.event, d.url, d.attempts, d.created_at",
+            "WITH claimed AS (
+                UPDATE webhook_deliveries d SET next_attempt_at = now() + make_interval(secs => $2)
+                FROM (SELECT id FROM webhook_deliveries w
+                      WHERE state = 'pending' AND next_attempt_at <= now()
+                        AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
+                                        WHERE p.job_id = w.job_id AND p.url = w.url AND p.state = 'pending'
+                                          AND p.created_at < w.created_at)
+                      ORDER BY next_attempt_at LIMIT $1
+                      FOR UPDATE SKIP LOCKED) due
+                WHERE d.id = due.id
+                RETURNING d.id, d.job_id, d.event, d.url, d.attempts, d.created_at, d.endpoint_id
+             )
+             SELECT c.*, e.secrets FROM claimed c LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id",
         )
         .bind(self.batch)
         .bind(CLAIM.as_secs_f64())
@@ -102,9 +109,12 @@ impl Dispatcher {
         let due: Vec<Due> = rows
             .iter()
             .map(|r| {
+                let endpoint: Option<Uuid> = r.try_get("endpoint_id")?;
+                let secrets: Option<Vec<String>> = r.try_get("secrets")?;
                 Ok(Due {
                     id: r.try_get("id")?,
                     job_id: r.try_get("job_id")?,
+                    endpoint: endpoint.map(|e| (e, secrets.unwrap_or_default())),
                     event: r.try_get("event")?,
                     url: r.try_get("url")?,
                     attempts: r.try_get("attempts")?,
@@ -149,7 +159,14 @@ impl Dispatcher {
         .expect("JSON values serialise");
         let id = format!("msg_{}", d.id.simple());
         let timestamp = Utc::now().timestamp();
-        let signature = self.signer.sign(&id, timestamp, &body);
+        let signer = match &d.endpoint {
+            Some((_, secrets)) => Signer::parse(&secrets.join(",")).ok(),
+            None => self.signer.clone(),
+        };
+        let Some(signer) = signer else {
+            return Attempt { forbidden: true, ..failed("no webhook signing secret is configured".into()) };
+        };
+        let signature = signer.sign(&id, timestamp, &body);
         let sent = self
             .http
             .post(&d.url)
@@ -225,15 +242,33 @@ impl Dispatcher {
         .execute(&mut *tx)
         .await?;
         if state == "disabled" {
-            sqlx::query("UPDATE webhook_deliveries SET state = 'disabled' WHERE job_id = $1 AND url = $2 AND state = 'pending'")
-                .bind(d.job_id)
-                .bind(&d.url)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("UPDATE jobs SET webhook = webhook || '{\"disabled\": true}'::jsonb WHERE id = $1")
-                .bind(d.job_id)
-                .execute(&mut *tx)
-                .await?;
+            match &d.endpoint {
+                // A tenant endpoint that said 410 is disabled for every job.
+                Some((endpoint, _)) => {
+                    sqlx::query("UPDATE webhook_endpoints SET disabled_at = coalesce(disabled_at, now()) WHERE id = $1")
+                        .bind(endpoint)
+                        .execute(&mut *tx)
+                        .await?;
+                    sqlx::query("UPDATE webhook_deliveries SET state = 'disabled' WHERE endpoint_id = $1 AND state = 'pending'")
+                        .bind(endpoint)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                None => {
+                    sqlx::query(
+                        "UPDATE webhook_deliveries SET state = 'disabled'
+                         WHERE job_id = $1 AND url = $2 AND endpoint_id IS NULL AND state = 'pending'",
+                    )
+                    .bind(d.job_id)
+                    .bind(&d.url)
+                    .execute(&mut *tx)
+                    .await?;
+                    sqlx::query("UPDATE jobs SET webhook = webhook || '{\"disabled\": true}'::jsonb WHERE id = $1")
+                        .bind(d.job_id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
         }
         tx.commit().await?;
         tracing::info!(delivery = %d.id, job = %d.job_id, event = %d.event, status = ?a.status, state, attempts, "webhook attempt");
