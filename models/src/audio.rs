@@ -7,7 +7,7 @@ use std::io::Cursor;
 
 use rubato::audioadapter_buffers::direct::InterleavedSlice;
 use rubato::{Fft, FixedSync, Resampler};
-use symphonia::core::codecs::audio::AudioDecoderOptions;
+use symphonia::core::codecs::audio::{AudioCodecParameters, AudioDecoderOptions};
 use symphonia::core::errors::Error as SymError;
 use symphonia::core::formats::probe::Hint;
 use symphonia::core::formats::{FormatOptions, FormatReader, TrackType};
@@ -53,7 +53,16 @@ impl AudioError {
 }
 
 /// Opens the container and finds its first audio track.
-fn open(bytes: &[u8]) -> Result<(Box<dyn FormatReader + 'static>, u32), AudioError> {
+/// An opened container and what its headers say of the default audio track.
+struct Opened {
+    format: Box<dyn FormatReader + 'static>,
+    track_id: u32,
+    params: AudioCodecParameters,
+    /// Frames the header declares, when it does.
+    frames: Option<u64>,
+}
+
+fn open(bytes: &[u8]) -> Result<Opened, AudioError> {
     // symphonia wants an owned source; one copy of the upload is cheap next to decoding it.
     let mss = MediaSourceStream::new(Box::new(Cursor::new(bytes.to_vec())), Default::default());
     let format = symphonia::default::get_probe()
@@ -64,20 +73,8 @@ fn open(bytes: &[u8]) -> Result<(Box<dyn FormatReader + 'static>, u32), AudioErr
             MetadataOptions::default(),
         )
         .map_err(|e| AudioError::Unreadable(e.to_string()))?;
-    let track_id = format
-        .default_track(TrackType::Audio)
-        .ok_or_else(|| AudioError::Unreadable("no audio track".into()))?
-        .id;
-    Ok((format, track_id))
-}
-
-/// Decodes every packet of the track: interleaved f32 samples, channel count, sample rate.
-fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError> {
-    let (mut format, track_id) = open(bytes)?;
     let track = format
-        .tracks()
-        .iter()
-        .find(|t| t.id == track_id)
+        .default_track(TrackType::Audio)
         .ok_or_else(|| AudioError::Unreadable("no audio track".into()))?;
     let params = track
         .codec_params
@@ -85,8 +82,15 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
         .and_then(|p| p.audio())
         .ok_or_else(|| AudioError::Unreadable("track has no audio codec parameters".into()))?
         .clone();
+    let (track_id, frames) = (track.id, track.num_frames);
+    Ok(Opened { format, track_id, params, frames })
+}
+
+/// Decodes every packet of the track: interleaved f32 samples, channel count, sample rate.
+fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError> {
+    let Opened { mut format, track_id, params, frames } = open(bytes)?;
     // Frames the container declares (WAV, FLAC do): fewer decoded means the file was cut short.
-    let declared_frames = track.num_frames;
+    let declared_frames = frames;
     let mut decoder = symphonia::default::get_codecs()
         .make_audio_decoder(&params, &AudioDecoderOptions::default())
         .map_err(|e| AudioError::Unreadable(e.to_string()))?;
@@ -162,18 +166,8 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
 /// Errors: [`AudioError::Unreadable`] for anything symphonia cannot open, [`AudioError::Empty`]
 /// when the stream holds zero frames.
 pub fn probe_duration(bytes: &[u8]) -> Result<f64, AudioError> {
-    let (format, track_id) = open(bytes)?;
-    let track = format
-        .tracks()
-        .iter()
-        .find(|t| t.id == track_id)
-        .ok_or_else(|| AudioError::Unreadable("no audio track".into()))?;
-    let rate = track
-        .codec_params
-        .as_ref()
-        .and_then(|p| p.audio())
-        .and_then(|a| a.sample_rate);
-    if let (Some(frames), Some(rate)) = (track.num_frames, rate) {
+    let opened = open(bytes)?;
+    if let (Some(frames), Some(rate)) = (opened.frames, opened.params.sample_rate) {
         if rate > 0 {
             if frames == 0 {
                 return Err(AudioError::Empty);
@@ -181,7 +175,7 @@ pub fn probe_duration(bytes: &[u8]) -> Result<f64, AudioError> {
             return Ok(frames as f64 / rate as f64);
         }
     }
-    drop(format);
+    drop(opened);
     let (samples, channels, rate) = decode_interleaved(bytes)?;
     Ok((samples.len() / channels) as f64 / rate as f64)
 }
