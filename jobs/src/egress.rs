@@ -151,15 +151,21 @@ pub fn guarded_builder(allow_private: bool) -> reqwest::ClientBuilder {
 /// [`MAX_REDIRECTS`]) checked the same way, `timeout` for the whole request.
 pub fn client(allow_private: bool, timeout: Duration) -> reqwest::Client {
     let redirects = reqwest::redirect::Policy::custom(move |attempt| {
-        if attempt.previous().len() >= MAX_REDIRECTS {
-            return attempt.error(Forbidden(format!("more than {MAX_REDIRECTS} redirects")));
-        }
-        match check_url(attempt.url().as_str(), allow_private) {
+        match check_redirect(attempt.url().as_str(), attempt.previous().len(), allow_private) {
             Ok(()) => attempt.follow(),
             Err(e) => attempt.error(e),
         }
     });
     guarded_builder(allow_private).timeout(timeout).redirect(redirects).build().expect("the HTTP client builds")
+}
+
+/// Whether a redirect to `url`, after `hops` earlier ones, may be followed: the scheme and a
+/// literal address are checked here, a hostname by the resolver when it is connected to.
+pub fn check_redirect(url: &str, hops: usize, allow_private: bool) -> Result<(), Forbidden> {
+    if hops >= MAX_REDIRECTS {
+        return Err(Forbidden(format!("more than {MAX_REDIRECTS} redirects")));
+    }
+    check_url(url, allow_private)
 }
 
 /// The refusal inside a request error, if the guard caused it.
@@ -196,5 +202,14 @@ mod tests {
         assert!(check_url("file:///etc/passwd", true).is_err());
         assert!(check_url("https://example.com/a.wav", false).is_ok());
         assert!(check_url("http://127.0.0.1:8080/x", true).is_ok());
+    }
+
+    #[test]
+    fn redirects_to_internal_addresses_or_too_many_are_refused() {
+        assert!(check_redirect("http://169.254.169.254/latest/meta-data/", 1, false).is_err());
+        assert!(check_redirect("http://[::1]/", 1, false).is_err());
+        assert!(check_redirect("http://10.0.0.1/", 1, false).is_err());
+        assert!(check_redirect("https://example.com/next", 1, false).is_ok());
+        assert!(check_redirect("https://example.com/next", MAX_REDIRECTS, false).is_err());
     }
 }
