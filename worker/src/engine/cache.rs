@@ -77,8 +77,8 @@ pub struct ModelCache {
     report: Arc<Mutex<CacheReport>>,
 }
 
-/// Windows in the warmup batch of a Whisper model, also the most windows batched by default.
-pub const WARMUP_WINDOWS: usize = 1;
+/// Windows in the warmup batch of a Whisper model.
+const WARMUP_WINDOWS: usize = 1;
 
 impl ModelCache {
     /// `dir`: the models directory (each model is a folder in it); `budget`: bytes.
@@ -136,7 +136,7 @@ impl ModelCache {
             )));
         }
         while self.resident() + estimate > self.budget {
-            self.evict_lru();
+            self.evict_lru_except(None);
         }
         let started = Instant::now();
         let loaded = load(family, &dir, &self.device).and_then(|mut model| {
@@ -164,21 +164,18 @@ impl ModelCache {
         );
         // The estimate may have been low: make room now, never evicting the model just loaded.
         while self.resident() > self.budget && self.entries.len() > 1 {
-            self.evict_lru_except(name);
+            self.evict_lru_except(Some(name));
         }
         self.publish();
         Ok(&mut self.entries.get_mut(name).expect("inserted").model)
     }
 
-    fn evict_lru(&mut self) {
-        self.evict_lru_except("");
-    }
-
-    fn evict_lru_except(&mut self, keep: &str) {
+    /// Evicts the least recently used model other than `keep`.
+    fn evict_lru_except(&mut self, keep: Option<&str>) {
         let victim = self
             .entries
             .iter()
-            .filter(|(n, _)| n.as_str() != keep)
+            .filter(|(n, _)| Some(n.as_str()) != keep)
             .min_by_key(|(_, e)| e.last_used)
             .map(|(n, _)| n.clone());
         if let Some(name) = victim {
