@@ -63,13 +63,9 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         }
     };
     let work = async { tokio::join!(engine.generate(prompt, options(input), progress_tx, stop.clone()), report) };
-    let (generation, ()) = tokio::select! {
-        out = work => out,
-        _ = super::forward_stop(ctx.stop, &stop) => unreachable!("never resolves"),
-    };
-    if ctx.stop.reason().is_some() {
+    let Some((generation, ())) = super::until_stopped(ctx.stop, &stop, work).await else {
         return Execution::Stopped;
-    }
+    };
     let generation = match generation {
         Ok(g) => g,
         Err(e) => return engine_failure(&e),

@@ -81,12 +81,24 @@ pub async fn progress_event(job: &Job, ctx: &Context<'_>) {
     }
 }
 
-/// Raises `flag` (which the model thread reads) once the job's stop signal is raised; never
-/// resolves, so it can run beside the work in a `select!`.
-pub async fn forward_stop(stop: &StopSignal, flag: &std::sync::atomic::AtomicBool) {
-    stop.raised().await;
-    flag.store(true, std::sync::atomic::Ordering::Relaxed);
-    std::future::pending::<()>().await
+/// Runs `work` (a model call reading `flag`), raising `flag` as soon as the job's stop signal
+/// is raised so the model thread stops early. `None` when the job was stopped: its result must
+/// not be reported.
+pub async fn until_stopped<T>(
+    stop: &StopSignal,
+    flag: &std::sync::atomic::AtomicBool,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    let forward = async {
+        stop.raised().await;
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+        std::future::pending::<()>().await
+    };
+    let out = tokio::select! {
+        out = work => out,
+        () = forward => unreachable!("never resolves"),
+    };
+    stop.reason().is_none().then_some(out)
 }
 
 pub async fn execute(job: &Job, ctx: &Context<'_>) -> Execution {

@@ -56,13 +56,9 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let work = async { tokio::join!(engine.transcribe(pcm, options, progress_tx, stop.clone()), report) };
-    let (transcript, ()) = tokio::select! {
-        out = work => out,
-        _ = super::forward_stop(ctx.stop, &stop) => unreachable!("never resolves"),
-    };
-    if ctx.stop.reason().is_some() {
+    let Some((transcript, ())) = super::until_stopped(ctx.stop, &stop, work).await else {
         return Execution::Stopped;
-    }
+    };
     let transcript = match transcript {
         Ok(t) => t,
         Err(e) => return engine_failure(&e),
