@@ -10,6 +10,8 @@
 # Usage: scripts/services.sh [up|down] [--print-env]
 #   up           (default) install/start whatever is missing; prints nothing when all runs
 #   down         stop the SeaweedFS server started by `up` (Postgres and Redis are left alone)
+#   browser      install headless Chromium (Debian `chromium`) and Node, and playwright-core
+#                in tests/dashboard (`npm ci`), for the dashboard test
 #   --print-env  after `up`, print `export TERN_...=...` lines, e.g.
 #                  eval "$(scripts/services.sh --print-env)"
 #
@@ -381,11 +383,26 @@ print_env() {
   done
 }
 
+# ---------------------------------------------------------------- Chromium (dashboard test)
+
+ensure_browser() {
+  local missing=()
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
+  if ((${#missing[@]})); then apt_install "${missing[@]}"; fi
+  local dir
+  dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/../tests/dashboard" && pwd)"
+  if [[ ! -d "$dir/node_modules/playwright-core" ]]; then
+    log "installing playwright-core in $dir (npm ci)"
+    (cd "$dir" && npm ci --no-audit --no-fund --silent)
+  fi
+}
+
 main() {
   local cmd=up want_env=0 arg
   for arg in "$@"; do
     case "$arg" in
-      up | down) cmd="$arg" ;;
+      up | down | browser) cmd="$arg" ;;
       --print-env) want_env=1 ;;
       -h | --help)
         usage
@@ -418,6 +435,9 @@ main() {
       ;;
     down)
       stop_weed
+      ;;
+    browser)
+      ensure_browser
       ;;
   esac
 }

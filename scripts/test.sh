@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/services.sh up
+bash scripts/services.sh browser
 bash scripts/models.sh --all
 # shellcheck source=env.sh
 . scripts/env.sh

@@ -192,6 +192,7 @@ async fn main() -> anyhow::Result<()> {
         };
         tokio::spawn(dispatcher.run(stop_rx.clone()))
     };
+    tern_jobs::prometheus::install();
     let app = routes::router(state, middleware::Cors { origins: args.cors_origins.clone() });
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     tracing::info!(listen = %args.listen, bucket = %args.services.s3.s3_bucket, "tern-api ready");

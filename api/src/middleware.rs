@@ -46,6 +46,12 @@ pub async fn wrap(State(cors): State<Arc<Cors>>, req: Request, next: Next) -> Re
     let id = request_id(req.headers());
     let method = req.method().clone();
     let path = req.uri().path().to_string();
+    // The route's pattern, not the path: ids would make a series per job. `{id}` is written
+    // `:id`, which every Prometheus tool reads (some text parsers split labels at `}`).
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().replace('{', ":").replace('}', ""));
     let origin = req
         .headers()
         .get(header::ORIGIN)
@@ -74,7 +80,10 @@ pub async fn wrap(State(cors): State<Arc<Cors>>, req: Request, next: Next) -> Re
     h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
-    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"));
+    // The dashboard's pages set their own (self-hosted scripts and styles).
+    if !h.contains_key(header::CONTENT_SECURITY_POLICY) {
+        h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"));
+    }
     if !h.contains_key(header::CACHE_CONTROL) {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
@@ -84,8 +93,12 @@ pub async fn wrap(State(cors): State<Arc<Cors>>, req: Request, next: Next) -> Re
         h.insert(header::ACCESS_CONTROL_EXPOSE_HEADERS, HeaderValue::from_static("x-request-id, retry-after"));
     }
     let status = resp.status().as_u16();
+    let latency = started.elapsed().as_secs_f64();
+    metrics::counter!("tern_http_requests_total", "method" => method.to_string(), "route" => route.clone(), "status" => status.to_string())
+        .increment(1);
+    metrics::histogram!("tern_http_request_duration_seconds", "route" => route).record(latency);
     span.in_scope(|| {
-        tracing::info!(%method, path, status, latency_ms = started.elapsed().as_secs_f64() * 1000.0, "request")
+        tracing::info!(%method, path, status, latency_ms = latency * 1000.0, "request")
     });
     resp
 }

@@ -4,7 +4,7 @@ use std::str::FromStr;
 
 /// What a job does. Each kind has its own Redis queue and its own input/output JSON Schemas
 /// (`schemas/{kind}.input.json`, `schemas/{kind}.output.json`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JobKind {
     /// Diagnostic kind: returns its input after an optional `sleep_ms`; exercises the whole path

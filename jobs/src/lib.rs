@@ -9,6 +9,7 @@
 //!   queue and restore Redis from Postgres after it lost data.
 //! - [`ObjectStore`]: S3-compatible storage for uploads and job outputs.
 
+pub mod admin;
 pub mod api_keys;
 pub mod config;
 pub mod egress;
@@ -19,6 +20,7 @@ pub mod kind;
 pub mod logging;
 pub mod object_store;
 pub mod priority;
+pub mod prometheus;
 pub mod queue;
 pub mod reaper;
 pub mod reconciler;

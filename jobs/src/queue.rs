@@ -342,6 +342,26 @@ impl Queue {
         Ok(ready + delayed)
     }
 
+    /// Stops workers pulling `kind` (its jobs still queue up) until [`Queue::resume`].
+    pub async fn pause(&self, kind: JobKind) -> Result<()> {
+        let mut c = self.conn().await?;
+        let _: () = c.set(self.key(kind, "paused"), 1).await?;
+        Ok(())
+    }
+
+    /// Lets workers pull `kind` again.
+    pub async fn resume(&self, kind: JobKind) -> Result<()> {
+        let mut c = self.conn().await?;
+        let _: () = c.del(self.key(kind, "paused")).await?;
+        Ok(())
+    }
+
+    /// Whether `kind` is paused.
+    pub async fn is_paused(&self, kind: JobKind) -> Result<bool> {
+        let mut c = self.conn().await?;
+        Ok(c.exists(self.key(kind, "paused")).await?)
+    }
+
     /// How many ready jobs of its kind run before this one (0 = next), if it is ready.
     pub async fn position(&self, kind: JobKind, id: Uuid) -> Result<Option<u64>> {
         let mut c = self.conn().await?;

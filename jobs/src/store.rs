@@ -11,7 +11,7 @@ use sqlx::{PgPool, Row};
 use std::time::Duration;
 use uuid::Uuid;
 
-const JOB_COLUMNS: &str = "id, tenant, kind, priority, state, input, cost, attempts, max_attempts, run_at, \
+pub(crate) const JOB_COLUMNS: &str = "id, tenant, kind, priority, state, input, cost, attempts, max_attempts, run_at, \
     timeout_ms, metadata, idempotency_key, request_sha256, created_at, started_at, finished_at, \
     worker_id, lease_token, cancel_requested, error, output, webhook";
 
@@ -458,7 +458,7 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("plain structs serialise")
 }
 
-fn prefixed_columns(table: &str) -> String {
+pub(crate) fn prefixed_columns(table: &str) -> String {
     JOB_COLUMNS.split(", ").map(|c| format!("{table}.{}", c.trim())).collect::<Vec<_>>().join(", ")
 }
 
@@ -478,7 +478,7 @@ fn parse_priority(s: String) -> Result<Priority> {
     s.parse().map_err(|()| decode_err("priority", &s))
 }
 
-fn job_from_row(r: &PgRow) -> Result<Job> {
+pub(crate) fn job_from_row(r: &PgRow) -> Result<Job> {
     let error: Option<Value> = r.try_get("error")?;
     let output: Option<Value> = r.try_get("output")?;
     let webhook: Option<Value> = r.try_get("webhook")?;

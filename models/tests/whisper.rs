@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 use tern_models::audio::decode_mono_16k;
-use tern_models::whisper::{windows_for, TranscribeOptions, Whisper};
+use tern_models::whisper::{windows_for, Padding, TranscribeOptions, Whisper};
 
 fn models_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("TERN_MODELS_DIR")
@@ -226,4 +226,49 @@ fn long_audio_is_windowed_and_stitched_in_order() {
         }
     }
     assert!(missed <= 1, "missed {missed} clips in order: {hyp:?}");
+}
+
+#[test]
+fn trimmed_windows_of_different_lengths_batched_give_each_clip_its_own_transcript() {
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let refs = references(&dir);
+    let pcms: Vec<Vec<f32>> = refs.iter().map(|(id, _)| clip_pcm(&dir, id)).collect();
+    let opts = TranscribeOptions::default();
+    assert!(matches!(opts.padding, Padding::Trimmed { .. }));
+    let inputs: Vec<(&[f32], &TranscribeOptions)> = pcms.iter().map(|p| (p.as_slice(), &opts)).collect();
+    let batched = whisper.transcribe_many(&inputs, 8, &|_| false, &mut |_, _, _| {});
+    let (mut errors, mut words) = (0, 0);
+    for ((pcm, batched), (_, reference)) in pcms.iter().zip(batched).zip(&refs) {
+        let batched = batched.unwrap();
+        let alone = whisper.transcribe(pcm, &opts, &mut |_, _| {}).unwrap();
+        // The clips differ in length, so the batch pads rows to the longest and masks the rest.
+        assert_eq!(batched.text, alone.text);
+        assert_eq!(batched.segments.len(), alone.segments.len());
+        errors += edit_distance(&normalise(&batched.text), &normalise(reference));
+        words += normalise(reference).len();
+    }
+    assert!((errors as f64) / (words as f64) <= 0.10, "{errors}/{words} word errors");
+}
+
+#[test]
+fn full_padding_transcribes_as_whisper_was_trained() {
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let opts = TranscribeOptions { padding: Padding::Full, ..Default::default() };
+    let (mut errors, mut words) = (0, 0);
+    for (id, reference) in references(&dir) {
+        let tr = whisper.transcribe(&clip_pcm(&dir, &id), &opts, &mut |_, _| {}).unwrap();
+        errors += edit_distance(&normalise(&tr.text), &normalise(&reference));
+        words += normalise(&reference).len();
+    }
+    assert!((errors as f64) / (words as f64) <= 0.10, "{errors}/{words} word errors");
+}
+
+#[test]
+fn padding_parses_full_or_a_margin_of_at_least_half_a_second() {
+    assert_eq!("full".parse::<Padding>(), Ok(Padding::Full));
+    assert_eq!("2".parse::<Padding>(), Ok(Padding::Trimmed { margin_seconds: 2.0 }));
+    assert!("0".parse::<Padding>().is_err());
+    assert!("soon".parse::<Padding>().is_err());
 }

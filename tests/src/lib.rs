@@ -81,7 +81,7 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
@@ -253,6 +253,8 @@ impl Cluster {
             ("TERN_RATE_LIMIT_PER_SEC", "0".into()),
             // Receivers and file servers in tests live on 127.0.0.1; the SSRF test turns this off.
             ("TERN_ALLOW_PRIVATE_URLS", "true".into()),
+            // Many workers share this host; the metrics test gives its worker a port.
+            ("TERN_METRICS_ADDR", "off".into()),
         ];
         env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }

@@ -6,6 +6,8 @@ mod engine;
 mod file_fetch;
 mod kinds;
 mod lease_keeper;
+mod metrics_server;
+mod registry;
 mod resources;
 mod runner;
 mod stop;
@@ -60,6 +62,11 @@ struct Cli {
     /// after another.
     #[arg(long, env = "TERN_GENERATE_BATCH_TOKENS", default_value_t = 4096)]
     generate_batch_tokens: usize,
+    /// How much of the silence padding a Whisper window shorter than 30 s the encoder runs:
+    /// `full` (as Whisper was trained), or the audio plus this many seconds (at least 0.5).
+    /// Default 2: a 6 s clip costs about a quarter of a full encoder pass.
+    #[arg(long, env = "TERN_WHISPER_PADDING", default_value = "2")]
+    whisper_padding: tern_models::whisper::Padding,
     /// Batches in flight at once; more overlaps one batch's database round trips with
     /// another's work.
     #[arg(long, env = "TERN_CONCURRENCY", default_value_t = 4)]
@@ -97,6 +104,10 @@ struct Cli {
     /// under the models directory.
     #[arg(long, env = "TERN_LLM_MODEL", default_value = "smollm2-135m-instruct")]
     llm_model: String,
+    /// Where `GET /metrics` (Prometheus) listens; `off` for nowhere. A port in use is logged
+    /// and skipped, so several workers on one host need their own.
+    #[arg(long, env = "TERN_METRICS_ADDR", default_value = "0.0.0.0:9464")]
+    metrics_addr: String,
     #[command(flatten)]
     services: ServiceArgs,
 }
@@ -109,13 +120,39 @@ fn expand_home(path: &str) -> std::path::PathBuf {
     }
 }
 
-fn default_worker_id() -> String {
-    let host = std::fs::read_to_string("/etc/hostname")
+/// What this worker does to run faster or leaner, as the admin's system view lists it.
+fn optimisations(cli: &Cli) -> Vec<String> {
+    let mut out = vec!["mimalloc allocator".to_string(), "batches sized by cost and memory budget".into()];
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        out.push("AVX2/FMA kernels".into());
+    }
+    if cli.device.is_cpu() {
+        out.push("LLM weights requantised Q4_1 -> Q8_0 for SIMD".into());
+    }
+    out.push(match cli.whisper_padding {
+        tern_models::whisper::Padding::Full => "whisper: full 30 s windows".into(),
+        tern_models::whisper::Padding::Trimmed { margin_seconds } => {
+            format!("whisper: padding trimmed to {margin_seconds} s, masked batched decoding")
+        }
+    });
+    out
+}
+
+/// How often the worker writes its row in `workers` (and learns whether to drain).
+const REGISTRY_INTERVAL: Duration = Duration::from_secs(2);
+
+fn host_name() -> String {
+    std::fs::read_to_string("/etc/hostname")
         .ok()
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "worker".into());
+        .unwrap_or_else(|| "worker".into())
+}
+
+fn default_worker_id() -> String {
+    let host = host_name();
     let suffix = uuid::Uuid::now_v7().simple().to_string();
     format!("{host}-{}-{}", std::process::id(), &suffix[suffix.len() - 6..])
 }
@@ -141,6 +178,21 @@ async fn main() -> anyhow::Result<()> {
     let objects = ObjectStore::new(&cli.services.s3.settings());
     objects.ensure_bucket().await.context("reaching the S3 bucket")?;
 
+    let registry = Arc::new(registry::Registry {
+        store: store.clone(),
+        worker_id: worker_id.clone(),
+        host: host_name(),
+        kinds: kinds.clone(),
+        device: match &cli.device {
+            d if d.is_cuda() => "cuda".into(),
+            d if d.is_metal() => "metal".into(),
+            _ => "cpu".into(),
+        },
+        draining: Default::default(),
+        in_hand: Default::default(),
+        done: Default::default(),
+        optimisations: optimisations(&cli),
+    });
     let runner = Arc::new(Runner {
         settings: RunnerSettings {
             worker_id: worker_id.clone(),
@@ -151,6 +203,7 @@ async fn main() -> anyhow::Result<()> {
             idle_poll_max: Duration::from_millis(cli.idle_poll_max_ms.max(1)),
             retry: cli.services.queue.retry_policy(),
             max_audio_seconds: cli.services.max_audio_seconds,
+            whisper_padding: cli.whisper_padding,
         },
         store,
         queue,
@@ -162,6 +215,7 @@ async fn main() -> anyhow::Result<()> {
             max_bytes: cli.max_file_bytes,
         },
         uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
+        registry: registry.clone(),
         engine: kinds.iter().any(|k| *k != JobKind::Echo).then(|| {
             let budget = cli.memory_budget.unwrap_or_else(resources::default_budget);
             tracing::info!(memory_budget = budget, device = ?cli.device, "models run here");
@@ -183,8 +237,16 @@ async fn main() -> anyhow::Result<()> {
         }),
     });
 
+    if cli.metrics_addr != "off" {
+        let addr: std::net::SocketAddr = cli.metrics_addr.parse().context("TERN_METRICS_ADDR: expected HOST:PORT or off")?;
+        tokio::spawn(metrics_server::serve(addr, runner.engine.clone()));
+    }
+
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let (abort_tx, abort_rx) = tokio::sync::watch::channel(false);
+    // The row is marked stopped after the batches in hand finish, not at the signal.
+    let (registry_stop_tx, registry_stop_rx) = tokio::sync::watch::channel(false);
+    let registry_task = tokio::spawn(registry.run(runner.engine.clone(), REGISTRY_INTERVAL, registry_stop_rx));
     let loops: Vec<_> = (0..cli.concurrency.max(1))
         .map(|_| tokio::spawn(runner.clone().run_loop(shutdown_rx.clone(), abort_rx.clone())))
         .collect();
@@ -204,6 +266,8 @@ async fn main() -> anyhow::Result<()> {
             all.await;
         }
     }
+    let _ = registry_stop_tx.send(true);
+    let _ = registry_task.await;
     if let Some(engine) = &runner.engine {
         let report = engine.report.lock().expect("not poisoned").clone();
         tracing::info!(hits = report.hits, misses = report.misses, evictions = report.evictions, load_failures = report.load_failures, "model cache at exit");

@@ -34,6 +34,8 @@ pub struct RunnerSettings {
     pub retry: RetryPolicy,
     /// Longest audio accepted, seconds.
     pub max_audio_seconds: f64,
+    /// How much of a short Whisper window's padding the encoder runs.
+    pub whisper_padding: tern_models::whisper::Padding,
 }
 
 pub struct Runner {
@@ -46,6 +48,8 @@ pub struct Runner {
     pub uploads: Semaphore,
     /// The model thread, when this worker runs model kinds.
     pub engine: Option<Arc<Engine>>,
+    /// This worker's row in `workers`: drain flag and counts.
+    pub registry: Arc<crate::registry::Registry>,
 }
 
 impl Runner {
@@ -55,6 +59,14 @@ impl Runner {
         let mut idle = Duration::from_millis(1);
         let mut next_kind = 0;
         while !*shutdown.borrow() {
+            if self.registry.draining.load(std::sync::atomic::Ordering::Relaxed) {
+                // Drained by an admin: the batch in hand finished, nothing more is pulled.
+                tokio::select! {
+                    _ = tokio::time::sleep(self.settings.idle_poll_max.max(Duration::from_millis(500))) => {}
+                    _ = shutdown.changed() => {}
+                }
+                continue;
+            }
             let kind = self.settings.kinds[next_kind % self.settings.kinds.len()];
             next_kind += 1;
             match self.queue.pull(kind, self.settings.batch_size, self.batch_budget(kind)).await {
@@ -115,6 +127,15 @@ impl Runner {
         if jobs.is_empty() {
             return Ok(());
         }
+        let k = kind.as_str();
+        self.registry.in_hand.fetch_add(jobs.len(), std::sync::atomic::Ordering::Relaxed);
+        let _in_hand = InHand(&self.registry.in_hand, jobs.len());
+        metrics::histogram!("tern_batch_jobs", "kind" => k).record(jobs.len() as f64);
+        metrics::histogram!("tern_batch_cost", "kind" => k).record(jobs.iter().map(|j| f64::from(j.cost)).sum::<f64>());
+        for j in &jobs {
+            let waited = (j.started_at.unwrap_or_else(Utc::now) - j.created_at).num_milliseconds().max(0);
+            metrics::histogram!("tern_job_wait_seconds", "kind" => k).record(waited as f64 / 1000.0);
+        }
         let signals: Vec<StopSignal> = jobs.iter().map(|_| StopSignal::new()).collect();
         let held = jobs
             .iter()
@@ -133,7 +154,12 @@ impl Runner {
                 std::future::pending::<()>().await
             }
         };
-        let work = futures::future::join_all(jobs.iter().zip(&signals).map(|(job, stop)| self.attempt(job, stop)));
+        let work = futures::future::join_all(jobs.iter().zip(&signals).map(|(job, stop)| async move {
+            let started = std::time::Instant::now();
+            let outcome = self.attempt(job, stop).await;
+            metrics::histogram!("tern_job_run_seconds", "kind" => job.kind.as_str()).record(started.elapsed().as_secs_f64());
+            outcome
+        }));
         let outcomes = tokio::select! {
             outcomes = work => outcomes,
             _ = release_on_abort => unreachable!("never resolves"),
@@ -149,6 +175,10 @@ impl Runner {
             .collect();
         let settled: HashMap<Uuid, Settled> =
             self.store.settle(&settlements, self.settings.retry).await?.into_iter().map(|s| (s.id, s)).collect();
+        self.registry.done.fetch_add(settled.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        for s in settled.values() {
+            metrics::counter!("tern_jobs_settled_total", "kind" => k, "state" => s.state.as_str()).increment(1);
+        }
         let now = Utc::now();
         let actions: Vec<_> = settlements
             .iter()
@@ -181,6 +211,7 @@ impl Runner {
             store: &self.store,
             engine: self.engine.as_deref(),
             max_audio_seconds: self.settings.max_audio_seconds,
+            whisper_padding: self.settings.whisper_padding,
         };
         let timeout = Duration::from_millis(job.timeout_ms.max(1) as u64);
         let execution = match tokio::time::timeout(timeout, kinds::execute(job, &ctx)).await {
@@ -226,5 +257,14 @@ impl Runner {
                 Some(StopReason::LeaseLost) | None => None,
             },
         }
+    }
+}
+
+/// Takes a batch's jobs off the in-hand count however the batch ends.
+struct InHand<'a>(&'a std::sync::atomic::AtomicUsize, usize);
+
+impl Drop for InHand<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, std::sync::atomic::Ordering::Relaxed);
     }
 }

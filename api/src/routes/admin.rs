@@ -1,15 +1,22 @@
-//! `/v1/admin/keys`: API key management (admin scope). The first admin key comes from the
+//! `/v1/admin/...` (admin scope): API keys, queues (counts, pause, resume, purge) and jobs of
+//! every tenant (list, timeline, retry, cancel, delete). The first admin key comes from the
 //! command line: `tern-api keys create --tenant T --scope admin`.
 
+use super::jobs::{cancel_job, deliveries_of, job_view, list_page, parse_id, ListQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::state::AppState;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
+use axum::response::Response;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use tern_jobs::admin::ACTION_LIMIT;
 use tern_jobs::api_keys::SCOPES;
+use tern_jobs::queue::Enqueue;
+use tern_jobs::JobKind;
+use uuid::Uuid;
 
 #[derive(Deserialize)]
 pub struct NewKey {
@@ -60,4 +67,240 @@ pub async fn revoke_key(State(state): State<AppState>, caller: Caller, Path(id):
         return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no API key {id}")));
     }
     Ok(Json(json!({ "revoked": id })))
+}
+
+/// A kind from the path, or 404 `unknown_kind`.
+fn path_kind(kind: &str) -> Result<JobKind, ApiError> {
+    kind.parse()
+        .map_err(|()| ApiError::new(StatusCode::NOT_FOUND, "unknown_kind", format!("unknown job kind {kind:?}")))
+}
+
+/// `GET /v1/admin/queues`: every kind's counts per priority and state, the age of its oldest
+/// queued job, jobs finished in the last 1/5/15 minutes, whether it is paused, and the Redis
+/// depth (ready + delayed) next to Postgres's counts.
+pub async fn queues(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let mut stats = state.store.queue_stats().await?;
+    let mut out = Vec::with_capacity(stats.len());
+    for s in &mut stats {
+        s.paused = state.queue.is_paused(s.kind).await?;
+        let mut v = serde_json::to_value(&*s).expect("stats serialise");
+        v["redis_depth"] = json!(state.queue.depth(s.kind).await?);
+        out.push(v);
+    }
+    Ok(Json(json!({ "queues": out })))
+}
+
+/// `POST /v1/admin/queues/{kind}/pause`: workers stop pulling the kind; submissions go on.
+pub async fn pause(State(state): State<AppState>, caller: Caller, Path(kind): Path<String>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let kind = path_kind(&kind)?;
+    state.queue.pause(kind).await?;
+    tracing::info!(kind = kind.as_str(), "queue paused");
+    Ok(Json(json!({ "kind": kind, "paused": true })))
+}
+
+/// `POST /v1/admin/queues/{kind}/resume`: workers pull the kind again.
+pub async fn resume(State(state): State<AppState>, caller: Caller, Path(kind): Path<String>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let kind = path_kind(&kind)?;
+    state.queue.resume(kind).await?;
+    tracing::info!(kind = kind.as_str(), "queue resumed");
+    Ok(Json(json!({ "kind": kind, "paused": false })))
+}
+
+#[derive(Deserialize)]
+pub struct PurgeQuery {
+    confirm: Option<String>,
+}
+
+/// `POST /v1/admin/queues/{kind}/purge?confirm={kind}`: cancels up to 1,000 waiting jobs of
+/// the kind (running ones finish); without `confirm` naming the kind, 400 `confirm_required`.
+pub async fn purge(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(kind): Path<String>,
+    Query(q): Query<PurgeQuery>,
+) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let kind = path_kind(&kind)?;
+    if q.confirm.as_deref() != Some(kind.as_str()) {
+        return Err(ApiError::bad_request(
+            "confirm_required",
+            format!("purging cancels every waiting {kind} job: repeat the kind as ?confirm={kind}", kind = kind.as_str()),
+        ));
+    }
+    let ids = state.store.purge_waiting(kind).await?;
+    for id in &ids {
+        state.queue.cancel(kind, *id, false).await?;
+    }
+    tracing::warn!(kind = kind.as_str(), canceled = ids.len(), "queue purged");
+    Ok(Json(json!({ "kind": kind, "canceled": ids.len(), "more": ids.len() as i64 >= ACTION_LIMIT })))
+}
+
+#[derive(Deserialize)]
+pub struct RetryRequest {
+    #[serde(default)]
+    ids: Vec<Uuid>,
+    kind: Option<String>,
+}
+
+/// `POST /v1/admin/jobs/retry` `{ids: [...]}` or `{kind}`: failed jobs go back to the queue
+/// with one more attempt (at most 1,000 per call). 200 with the ids retried.
+pub async fn retry(State(state): State<AppState>, caller: Caller, Json(req): Json<RetryRequest>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let kind = req
+        .kind
+        .as_deref()
+        .map(|k| k.parse::<JobKind>().map_err(|()| ApiError::bad_request("unknown_kind", format!("unknown job kind {k:?}"))))
+        .transpose()?;
+    if req.ids.is_empty() && kind.is_none() {
+        return Err(ApiError::bad_request("nothing_to_retry", "give the failed jobs' ids, or a kind to retry its failed jobs"));
+    }
+    if req.ids.len() as i64 > ACTION_LIMIT {
+        return Err(ApiError::bad_request("too_many_ids", format!("at most {ACTION_LIMIT} ids per call")));
+    }
+    let jobs = state.store.retry_failed(&req.ids, kind).await?;
+    let enqueue: Vec<Enqueue> = jobs
+        .iter()
+        .map(|j| Enqueue { id: j.id, kind: j.kind, priority: j.priority, cost: j.cost, run_at: None })
+        .collect();
+    state.queue.enqueue(&enqueue).await?;
+    tracing::info!(retried = jobs.len(), "failed jobs retried");
+    Ok(Json(json!({ "retried": jobs.iter().map(|j| j.id).collect::<Vec<_>>() })))
+}
+
+/// `GET /v1/admin/jobs?tenant=&state=&kind=&limit=&cursor=`: jobs of every tenant (or one).
+pub async fn jobs(State(state): State<AppState>, caller: Caller, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let tenant = q.tenant.clone();
+    list_page(&state, &q, tenant).await
+}
+
+/// `GET /v1/admin/jobs/{id}`: the job of any tenant with its whole timeline: events (attempts,
+/// workers, errors) and webhook deliveries.
+pub async fn job(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let id = parse_id(&id)?;
+    let job = state.store.get(id).await?.ok_or_else(ApiError::not_found)?;
+    let mut v = job_view(&state, &job, true).await?;
+    v["events"] = json!(state.store.events(id).await?);
+    v["deliveries"] = json!(deliveries_of(&state, id).await?);
+    Ok(Json(v))
+}
+
+/// `POST /v1/admin/jobs/{id}/cancel`: as the tenant's cancel, for any tenant's job.
+pub async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
+    caller.require("admin")?;
+    cancel_job(&state, parse_id(&id)?).await
+}
+
+/// `DELETE /v1/admin/jobs/{id}`: deletes a finished job with its timeline; 409 `job_not_finished`
+/// while it may still run.
+pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    caller.require("admin")?;
+    match state.store.delete_finished(parse_id(&id)?).await? {
+        None => Err(ApiError::not_found()),
+        Some(false) => Err(ApiError::new(StatusCode::CONFLICT, "job_not_finished", "only finished jobs can be deleted; cancel it first")),
+        Some(true) => Ok(StatusCode::NO_CONTENT),
+    }
+}
+
+/// `GET /v1/admin/workers`: every worker that reported in the last day, newest first, with
+/// `state`: `active`, `draining`, `stopped` (shut down cleanly) or `lost` (no report for a
+/// lease period: it died or lost its network; the reaper has returned its jobs by then).
+pub async fn workers(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let lost_after_ms = state.queue.settings.lease.as_millis() as i64;
+    let rows: Vec<Value> = sqlx::query_scalar(
+        "SELECT jsonb_build_object(
+                'id', id, 'host', host, 'kinds', kinds, 'device', device, 'started_at', started_at,
+                'last_heartbeat', last_heartbeat, 'stopped_at', stopped_at, 'draining', draining,
+                'seconds_since_heartbeat', extract(epoch FROM now() - last_heartbeat)::float8,
+                'state', CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
+                              WHEN last_heartbeat < now() - make_interval(secs => $1 / 1000.0) THEN 'lost'
+                              WHEN draining THEN 'draining'
+                              ELSE 'active' END) || status
+         FROM workers WHERE last_heartbeat > now() - interval '1 day'
+         ORDER BY started_at DESC",
+    )
+    .bind(lost_after_ms as f64)
+    .fetch_all(state.store.pool())
+    .await
+    .map_err(tern_jobs::Error::from)?;
+    Ok(Json(json!({ "workers": rows, "lost_after_seconds": lost_after_ms as f64 / 1000.0 })))
+}
+
+async fn set_draining(state: &AppState, id: &str, draining: bool) -> Result<Json<Value>, ApiError> {
+    let found = sqlx::query("UPDATE workers SET draining = $2 WHERE id = $1")
+        .bind(id)
+        .bind(draining)
+        .execute(state.store.pool())
+        .await
+        .map_err(tern_jobs::Error::from)?
+        .rows_affected();
+    if found == 0 {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no worker {id}")));
+    }
+    tracing::info!(worker = id, draining, "worker drain set");
+    Ok(Json(json!({ "id": id, "draining": draining })))
+}
+
+/// `POST /v1/admin/workers/{id}/drain`: the worker finishes its batch and pulls no more (it
+/// learns within about 2 s); it keeps running and reporting until stopped or undrained.
+pub async fn drain(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    set_draining(&state, &id, true).await
+}
+
+/// `POST /v1/admin/workers/{id}/undrain`: the worker pulls again.
+pub async fn undrain(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    set_draining(&state, &id, false).await
+}
+
+/// Memory pressure from the share of the budget in use: under 50% `low`, under 75%
+/// `moderate`, under 90% `high`, else `critical`.
+fn memory_state(used: f64, budget: f64) -> &'static str {
+    match if budget > 0.0 { used / budget } else { 0.0 } {
+        r if r < 0.50 => "low",
+        r if r < 0.75 => "moderate",
+        r if r < 0.90 => "high",
+        _ => "critical",
+    }
+}
+
+/// `GET /v1/admin/system`: the service at a glance: per live worker its memory state
+/// (`low`/`moderate`/`high`/`critical`: resident models against the memory budget), models
+/// cached and the optimisations in effect; queue totals over all kinds.
+pub async fn system(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let Json(listing) = workers(State(state.clone()), caller).await?;
+    let live: Vec<Value> = listing["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|w| w["state"] == "active" || w["state"] == "draining")
+        .map(|w| {
+            let budget = w["memory"]["budget_bytes"].as_f64().unwrap_or(0.0);
+            let used = w["memory"]["models_bytes"].as_f64().unwrap_or(0.0);
+            json!({
+                "id": w["id"], "device": w["device"], "state": w["state"],
+                "memory": { "state": memory_state(used, budget), "budget_bytes": w["memory"]["budget_bytes"],
+                            "models_bytes": w["memory"]["models_bytes"], "rss_bytes": w["memory"]["rss_bytes"] },
+                "models": w["models"], "cache": w["cache"], "optimisations": w["optimisations"],
+                "batch_in_hand": w["batch_in_hand"],
+            })
+        })
+        .collect();
+    let stats = state.store.queue_stats().await?;
+    let total = |f: fn(&tern_jobs::admin::StateCounts) -> i64| stats.iter().map(|s| f(&s.total)).sum::<i64>();
+    Ok(Json(json!({
+        "workers": live,
+        "queue": {
+            "queued": total(|c| c.queued), "scheduled": total(|c| c.scheduled), "running": total(|c| c.running),
+            "retrying": total(|c| c.retrying), "failed": total(|c| c.failed),
+            "succeeded_last_1m": stats.iter().map(|s| s.succeeded.last_1m).sum::<i64>(),
+        },
+    })))
 }

@@ -118,6 +118,9 @@ async fn admit(state: &AppState, tenant: &str, jobs: &[NewJob]) -> Result<(), Ap
 /// is not the client's problem: the jobs are recorded, and the reconciler enqueues them.
 async fn insert_and_enqueue(state: &AppState, jobs: &[NewJob]) -> Result<Vec<Job>, ApiError> {
     let inserted = state.store.insert(jobs).await?;
+    for j in &inserted {
+        metrics::counter!("tern_jobs_submitted_total", "kind" => j.kind.as_str(), "priority" => j.priority.as_str()).increment(1);
+    }
     let entries: Vec<Enqueue> = inserted
         .iter()
         .map(|j| Enqueue { id: j.id, kind: j.kind, priority: j.priority, cost: j.cost, run_at: j.run_at })
@@ -237,7 +240,7 @@ pub async fn submit_batch(
     Ok((StatusCode::CREATED, Json(json!({ "jobs": views(&state, &out).await? }))).into_response())
 }
 
-fn parse_id(id: &str) -> Result<Uuid, ApiError> {
+pub(crate) fn parse_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(id).map_err(|_| ApiError::not_found())
 }
 
@@ -267,13 +270,20 @@ pub struct ListQuery {
     kind: Option<String>,
     limit: Option<String>,
     cursor: Option<String>,
+    /// Admin listing only: one tenant's jobs.
+    pub tenant: Option<String>,
 }
 
 /// `GET /v1/jobs?state=&kind=&limit=&cursor=`: newest first; `next_cursor` fetches the next page.
 pub async fn list(State(state): State<AppState>, caller: Caller, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
     let tenant = caller.require("jobs:read")?.tenant.clone();
+    list_page(&state, &q, Some(tenant)).await
+}
+
+/// One page of jobs matching `q`, of `tenant` or (admin) of every tenant.
+pub async fn list_page(state: &AppState, q: &ListQuery, tenant: Option<String>) -> Result<Json<Value>, ApiError> {
     let filter = ListFilter {
-        tenant: Some(tenant),
+        tenant,
         state: q
             .state
             .as_deref()
@@ -305,7 +315,7 @@ pub async fn list(State(state): State<AppState>, caller: Caller, Query(q): Query
     } else {
         None
     };
-    Ok(Json(json!({ "jobs": views(&state, &jobs).await?, "next_cursor": next_cursor })))
+    Ok(Json(json!({ "jobs": views(state, &jobs).await?, "next_cursor": next_cursor })))
 }
 
 /// `POST /v1/jobs/{id}/cancel`: 200 with the canceled job if it was waiting; 202 if it is
@@ -314,15 +324,20 @@ pub async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Pat
     let tenant = &caller.require("jobs:write")?.tenant;
     let id = parse_id(&id)?;
     own_job(&state, tenant, id).await?;
+    cancel_job(&state, id).await
+}
+
+/// Cancels job `id` (whoever's it is): 200 if it was waiting, 202 if it runs, 409 if finished.
+pub async fn cancel_job(state: &AppState, id: Uuid) -> Result<Response, ApiError> {
     match state.store.cancel(id).await? {
         CancelOutcome::NotFound => Err(ApiError::not_found()),
         CancelOutcome::Canceled(job) => {
             state.queue.cancel(job.kind, job.id, false).await?;
-            Ok((StatusCode::OK, Json(job_view(&state, &job, false).await?)).into_response())
+            Ok((StatusCode::OK, Json(job_view(state, &job, false).await?)).into_response())
         }
         CancelOutcome::Requested(job) => {
             state.queue.cancel(job.kind, job.id, true).await?;
-            Ok((StatusCode::ACCEPTED, Json(job_view(&state, &job, false).await?)).into_response())
+            Ok((StatusCode::ACCEPTED, Json(job_view(state, &job, false).await?)).into_response())
         }
         CancelOutcome::AlreadyFinished(job) => Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -338,6 +353,11 @@ pub async fn deliveries(State(state): State<AppState>, caller: Caller, Path(id):
     let tenant = &caller.require("jobs:read")?.tenant;
     let id = parse_id(&id)?;
     own_job(&state, tenant, id).await?;
+    Ok(Json(json!({ "deliveries": deliveries_of(&state, id).await? })))
+}
+
+/// Job `id`'s webhook deliveries, oldest first, each with its attempts.
+pub async fn deliveries_of(state: &AppState, id: Uuid) -> Result<Vec<Value>, ApiError> {
     let rows: Vec<Value> = sqlx::query_scalar(
         "SELECT jsonb_build_object(
                 'id', 'msg_' || replace(d.id::text, '-', ''), 'delivery_id', d.id, 'event', d.event,
@@ -353,7 +373,7 @@ pub async fn deliveries(State(state): State<AppState>, caller: Caller, Path(id):
     .fetch_all(state.store.pool())
     .await
     .map_err(tern_jobs::Error::from)?;
-    Ok(Json(json!({ "deliveries": rows })))
+    Ok(rows)
 }
 
 /// `POST /v1/deliveries/{delivery_id}/replay`: sends a delivery again (whatever became of it),

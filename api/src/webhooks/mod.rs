@@ -53,6 +53,8 @@ struct Due {
     url: String,
     attempts: i32,
     created_at: DateTime<Utc>,
+    /// Its target said 410 after this delivery was written: it is settled as disabled, unsent.
+    disabled: bool,
 }
 
 /// What one attempt came to.
@@ -100,7 +102,14 @@ impl Dispatcher {
                 WHERE d.id = due.id
                 RETURNING d.id, d.job_id, d.event, d.url, d.attempts, d.created_at, d.endpoint_id
              )
-             SELECT c.*, e.secrets FROM claimed c LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id",
+             -- A state change committed while a 410 was being recorded can still have written a
+             -- delivery to the now disabled target; it is caught here.
+             SELECT c.*, e.secrets,
+                    CASE WHEN c.endpoint_id IS NOT NULL THEN e.disabled_at IS NOT NULL
+                         ELSE coalesce((j.webhook->>'disabled')::boolean, false) END AS disabled
+             FROM claimed c
+             LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
+             LEFT JOIN jobs j ON j.id = c.job_id",
         )
         .bind(self.batch)
         .bind(CLAIM.as_secs_f64())
@@ -119,6 +128,7 @@ impl Dispatcher {
                     url: r.try_get("url")?,
                     attempts: r.try_get("attempts")?,
                     created_at: r.try_get("created_at")?,
+                    disabled: r.try_get::<Option<bool>, _>("disabled")?.unwrap_or(false),
                 })
             })
             .collect::<Result<_, sqlx::Error>>()?;
@@ -128,6 +138,16 @@ impl Dispatcher {
     }
 
     async fn deliver(&self, d: Due) {
+        if d.disabled {
+            let settled = sqlx::query("UPDATE webhook_deliveries SET state = 'disabled' WHERE id = $1 AND state = 'pending'")
+                .bind(d.id)
+                .execute(self.state.store.pool())
+                .await;
+            if let Err(e) = settled {
+                tracing::warn!(error = %e, delivery = %d.id, "could not settle a delivery to a disabled target");
+            }
+            return;
+        }
         let attempt = self.attempt(&d).await;
         if let Err(e) = self.record(&d, &attempt).await {
             // The claim expires and the delivery is tried again: at least once.
@@ -219,6 +239,7 @@ impl Dispatcher {
                 }
             },
         };
+        metrics::counter!("tern_webhook_attempts_total", "outcome" => state).increment(1);
         let mut tx = self.state.store.pool().begin().await?;
         sqlx::query("INSERT INTO webhook_attempts (delivery_id, status, latency_ms, error) VALUES ($1, $2, $3, $4)")
             .bind(d.id)

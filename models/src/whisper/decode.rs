@@ -3,6 +3,7 @@
 
 use anyhow::Result;
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 use super::decoder::{CrossKv, Decoder};
 
@@ -59,6 +60,15 @@ impl Rng {
         self.0 ^= self.0 >> 27;
         (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
     }
+}
+
+/// `ln(sum(exp(x)))`, `-inf` for an empty or all `-inf` slice.
+fn log_sum_exp(x: &[f32]) -> f32 {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    max + x.iter().map(|&v| (v - max).exp()).sum::<f32>().ln()
 }
 
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
@@ -125,16 +135,9 @@ fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: b
         }
     }
     // If timestamps together are likelier than any single text token, force a timestamp.
-    let lp = log_softmax(logits);
-    let ts_lse = {
-        let m = lp[tb..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if m == f32::NEG_INFINITY {
-            m
-        } else {
-            m + lp[tb..].iter().map(|&v| (v - m).exp()).sum::<f32>().ln()
-        }
-    };
-    let text_max = lp[..tb].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // (Compared on raw logits: the log-softmax shifts both sides by the same amount.)
+    let ts_lse = log_sum_exp(&logits[tb..]);
+    let text_max = logits[..tb].iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if ts_lse > text_max {
         logits[..tb].fill(neg);
     }
@@ -201,20 +204,31 @@ fn decode_batch(
                 // OpenAI reads the no-speech probability at the SOT position.
                 let sot_pos = prompt.iter().position(|&t| t == sp.sot).unwrap_or(0);
                 for (b, l) in decoder.logits_vecs(&ys, sot_pos)?.iter().enumerate() {
-                    no_speech_prob[b] = (log_softmax(l)[ns as usize] as f64).exp();
+                    no_speech_prob[b] = f64::from(l[ns as usize] - log_sum_exp(l)).exp();
                 }
             }
         }
         let rows = decoder.logits_vecs(&ys, new_len - 1)?;
-        for (b, mut logits) in rows.into_iter().enumerate() {
-            if done[b] {
+        // The rules and picks of the rows are independent: a few passes over 51k logits each.
+        let picks: Vec<Option<(u32, f64)>> = rows
+            .into_par_iter()
+            .zip(rngs.par_iter_mut())
+            .enumerate()
+            .map(|(b, (mut logits, rng))| {
+                if done[b] {
+                    return None;
+                }
+                apply_rules(&mut logits, &tokens[b][prompt.len()..], sp, timestamps);
+                let next = pick(&logits, temperature, rng);
+                Some((next, f64::from(logits[next as usize] - log_sum_exp(&logits))))
+            })
+            .collect();
+        for (b, picked) in picks.into_iter().enumerate() {
+            let Some((next, lp)) = picked else {
                 // Keeps this row's cache length in step with the others.
                 tokens[b].push(sp.eot);
                 continue;
-            }
-            apply_rules(&mut logits, &tokens[b][prompt.len()..], sp, timestamps);
-            let next = pick(&logits, temperature, &mut rngs[b]);
-            let lp = log_softmax(&logits)[next as usize] as f64;
+            };
             if next == sp.eot {
                 done[b] = true;
                 tokens[b].push(sp.eot);
@@ -263,7 +277,7 @@ fn needs_fallback(d: &Decoded) -> bool {
 /// Decodes a batch of windows (rows of `cross`; `seeds` one per row): greedily all together,
 /// then, one window at a time, retries at higher temperatures those whose greedy result looks
 /// degenerate (average log-probability below -1 or a repetition loop), as OpenAI's
-/// `transcribe()` does.
+/// `transcribe()` does. A row marked in `give_up` gets `None` instead of a fallback.
 pub(crate) fn decode_with_fallback(
     decoder: &Decoder,
     cross: &CrossKv,
@@ -271,13 +285,18 @@ pub(crate) fn decode_with_fallback(
     sp: &Specials,
     timestamps: bool,
     seeds: &[u64],
-) -> Result<Vec<Decoded>> {
+    give_up: &[bool],
+) -> Result<Vec<Option<Decoded>>> {
     let mut rngs: Vec<Rng> = seeds.iter().map(|&s| Rng(s | 1)).collect();
     let greedy = decode_batch(decoder, cross, prompt, sp, timestamps, 0.0, &mut rngs)?;
     let mut out = Vec::with_capacity(greedy.len());
     for (b, d) in greedy.into_iter().enumerate() {
         if !needs_fallback(&d) {
-            out.push(d);
+            out.push(Some(d));
+            continue;
+        }
+        if give_up.get(b).copied().unwrap_or(false) {
+            out.push(None);
             continue;
         }
         let row = cross.row(b)?;
@@ -296,7 +315,7 @@ pub(crate) fn decode_with_fallback(
                 best = d;
             }
         }
-        out.push(accepted.unwrap_or(best));
+        out.push(Some(accepted.unwrap_or(best)));
     }
     Ok(out)
 }

@@ -8,15 +8,51 @@
 //! token embedding.
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
-use candle_nn::{LayerNorm, Linear, VarBuilder};
+use candle_nn::{LayerNorm, VarBuilder};
 use candle_transformers::models::whisper::Config;
 
+use super::attention::{self, KeyLayout};
+
+/// A linear layer for the few rows of a decoding step.
+///
+/// candle's `Linear` computes `x Wᵀ`, where gemm re-packs the whole transposed weight matrix
+/// on every call; for a handful of rows that packing costs more than the products. Computed as
+/// `(W xᵀ)ᵀ`, the weights are read once in their own layout.
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// Rows up to which `(W xᵀ)ᵀ` is used; more rows use `x Wᵀ` as candle does.
+    const FEW_ROWS: usize = 64;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let d_in = *dims.last().expect("at least one dimension");
+        let rows = x.elem_count() / d_in.max(1);
+        let x2 = x.reshape((rows, d_in))?;
+        let y = if rows <= Self::FEW_ROWS {
+            self.weight.matmul(&x2.t()?)?.t()?
+        } else {
+            x2.matmul(&self.weight.t()?)?
+        };
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y.contiguous()?,
+        };
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("at least one dimension") = self.weight.dim(0)?;
+        y.reshape(out_dims)
+    }
+}
+
 fn linear(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
-    candle_nn::linear(d_in, d_out, vb)
+    Ok(Linear { weight: vb.get((d_out, d_in), "weight")?, bias: Some(vb.get(d_out, "bias")?) })
 }
 
 fn linear_no_bias(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
-    candle_nn::linear_no_bias(d_in, d_out, vb)
+    Ok(Linear { weight: vb.get((d_out, d_in), "weight")?, bias: None })
 }
 
 fn layer_norm(size: usize, vb: VarBuilder) -> Result<LayerNorm> {
@@ -55,8 +91,14 @@ struct Layer {
 
 /// Cross-attention keys (scaled, laid out `(batch, head, head_dim, frames)`) and values
 /// (`(batch, head, frames, head_dim)`) of every layer for one batch of encoded windows.
+/// Rows encoded with fewer frames than the batch holds carry a mask over the padding, so each
+/// row attends to exactly what it would alone.
 pub(crate) struct CrossKv {
     layers: Vec<(Tensor, Tensor)>,
+    /// `(batch, 1, 1, frames)`: 0 for a row's own frames, -inf for its padding.
+    mask: Option<Tensor>,
+    /// Each row's own frames, when some row has padding (the mask's lengths).
+    frames: Option<Vec<usize>>,
 }
 
 impl CrossKv {
@@ -67,7 +109,9 @@ impl CrossKv {
             .iter()
             .map(|(k, v)| Ok((k.narrow(0, b, 1)?, v.narrow(0, b, 1)?)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(CrossKv { layers })
+        let mask = self.mask.as_ref().map(|m| m.narrow(0, b, 1)).transpose()?;
+        let frames = self.frames.as_ref().map(|f| vec![f[b]]);
+        Ok(CrossKv { layers, mask, frames })
     }
 
     /// The keys/values of the given batch rows, in that order.
@@ -76,7 +120,7 @@ impl CrossKv {
             return self.row(rows[0]);
         }
         let Some((k0, _)) = self.layers.first() else {
-            return Ok(CrossKv { layers: Vec::new() });
+            return Ok(CrossKv { layers: Vec::new(), mask: None, frames: None });
         };
         let index = Tensor::from_vec(
             rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
@@ -88,7 +132,9 @@ impl CrossKv {
             .iter()
             .map(|(k, v)| Ok((k.index_select(&index, 0)?, v.index_select(&index, 0)?)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(CrossKv { layers })
+        let mask = self.mask.as_ref().map(|m| m.index_select(&index, 0)).transpose()?;
+        let frames = self.frames.as_ref().map(|f| rows.iter().map(|&r| f[r]).collect());
+        Ok(CrossKv { layers, mask, frames })
     }
 }
 
@@ -177,7 +223,21 @@ impl Decoder {
 
     /// Computes every layer's cross-attention keys and values from encoder output
     /// `(batch, frames, d_model)`; reuse the result for all decoding steps of those windows.
-    pub fn cross_kv(&self, audio_features: &Tensor) -> Result<CrossKv> {
+    /// `frames[b]` is how many leading frames of row `b` are real (the rest is padding and is
+    /// masked out); `None` when every row uses all of them.
+    pub fn cross_kv(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
+        let (b, total, _) = audio_features.dims3()?;
+        let mask = match frames {
+            Some(frames) if frames.iter().any(|&f| f < total) => {
+                let m: Vec<f32> = frames
+                    .iter()
+                    .flat_map(|&f| (0..total).map(move |j| if j < f { 0.0 } else { f32::NEG_INFINITY }))
+                    .collect();
+                Some(Tensor::from_vec(m, (b, 1, 1, total), audio_features.device())?)
+            }
+            _ => None,
+        };
+        let frames = mask.as_ref().and(frames).map(<[usize]>::to_vec);
         let layers = self
             .layers
             .iter()
@@ -189,7 +249,7 @@ impl Decoder {
                 Ok((k, v))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(CrossKv { layers })
+        Ok(CrossKv { layers, mask, frames })
     }
 
     /// An empty self-attention cache.
@@ -250,12 +310,17 @@ impl Decoder {
                 ),
                 None => (k_new, v_new),
             };
-            let mut qk = q.matmul(&k.t()?)?;
-            if let Some(mask) = &mask {
-                qk = qk.broadcast_add(mask)?;
-            }
-            let w = candle_nn::ops::softmax_last_dim(&qk)?;
-            let o = self.merge(&w.matmul(&v)?)?;
+            let o = match attention::attend_one(&q, &k, KeyLayout::Rows, &v, None)? {
+                Some(o) => o,
+                None => {
+                    let mut qk = q.matmul(&k.t()?)?;
+                    if let Some(mask) = &mask {
+                        qk = qk.broadcast_add(mask)?;
+                    }
+                    candle_nn::ops::softmax_last_dim(&qk)?.matmul(&v)?
+                }
+            };
+            let o = self.merge(&o)?;
             *kv = Some((k, v));
             x = (x + a.out.forward(&o)?)?;
 
@@ -263,8 +328,17 @@ impl Decoder {
             let h = layer.cross_ln.forward(&x)?;
             let a = &layer.cross_attn;
             let q = (self.heads(&a.q.forward(&h)?)? * self.scale)?;
-            let w = candle_nn::ops::softmax_last_dim(&q.matmul(ck)?)?;
-            let o = self.merge(&w.matmul(cv)?)?;
+            let o = match attention::attend_one(&q, ck, KeyLayout::Transposed, cv, cross.frames.as_deref())? {
+                Some(o) => o,
+                None => {
+                    let mut scores = q.matmul(ck)?;
+                    if let Some(mask) = &cross.mask {
+                        scores = scores.broadcast_add(mask)?;
+                    }
+                    candle_nn::ops::softmax_last_dim(&scores)?.matmul(cv)?
+                }
+            };
+            let o = self.merge(&o)?;
             x = (x + a.out.forward(&o)?)?;
 
             // MLP.
@@ -284,7 +358,10 @@ impl Decoder {
     /// Logits `(batch, vocab)` for position `pos` of hidden states `(batch, len, d_model)`.
     pub fn logits_at(&self, hidden: &Tensor, pos: usize) -> Result<Tensor> {
         let h = hidden.i((.., pos, ..))?.contiguous()?;
-        h.matmul(&self.embed_tokens.t()?)
+        // `(vocab, d) x (d, batch)`: the 80 MB (tiny) embedding matrix is the GEMM's left side,
+        // read once in its own layout for all rows. As the right side, `h x embᵀ`, gemm packs
+        // all of it again on every step, and a batch step costs as much as one step per row.
+        self.embed_tokens.matmul(&h.t()?)?.t()
     }
 
     /// Logits rows as CPU vectors.

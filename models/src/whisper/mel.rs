@@ -55,17 +55,26 @@ pub(crate) fn mel_filters(n_mels: usize) -> Vec<f32> {
     w
 }
 
-/// Log-mel of one window (at most 30 s of 16 kHz samples) as a `(1, n_mels, 3000)` tensor;
-/// shorter windows are zero-padded to 30 s as Whisper expects.
+/// Log-mel of one window (at most 30 s of 16 kHz samples) as a `(1, n_mels, frames)` tensor:
+/// the first `frames` (at most 3000) of the window zero-padded to 30 s as Whisper expects, with
+/// the normalisation of the whole padded window.
 pub(crate) fn window_mel(
     cfg: &Config,
     filters: &[f32],
     samples: &[f32],
+    frames: usize,
     device: &Device,
 ) -> Result<Tensor> {
     let n_mels = cfg.num_mel_bins;
-    let mel = log_mel(samples, filters, n_mels);
-    Ok(Tensor::from_vec(mel, (1, n_mels, m::N_FRAMES), device)?)
+    let mut mel = log_mel(samples, filters, n_mels);
+    let frames = frames.min(m::N_FRAMES);
+    if frames < m::N_FRAMES {
+        for j in 0..n_mels {
+            mel.copy_within(j * m::N_FRAMES..j * m::N_FRAMES + frames, j * frames);
+        }
+        mel.truncate(n_mels * frames);
+    }
+    Ok(Tensor::from_vec(mel, (1, n_mels, frames), device)?)
 }
 
 /// Whisper's log-mel spectrogram of one window, `n_mels x N_FRAMES` row-major.

@@ -4,9 +4,11 @@
 //! Audio is processed in fixed 30 s windows (Whisper's input size): each window is encoded,
 //! decoded greedily with temperature fallback, and its segments are offset by the window start.
 
+mod attention;
 mod ct2;
 mod decode;
 mod decoder;
+mod encoder;
 mod mel;
 
 use std::path::Path;
@@ -14,7 +16,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_transformers::models::whisper::{self as m, model::Whisper as Model};
+use candle_transformers::models::whisper::{self as m, Config};
 use tokenizers::Tokenizer;
 
 use decode::Specials;
@@ -47,15 +49,19 @@ pub struct TranscribeOptions {
     /// Predict timestamp tokens so each window splits into timed segments. Default `true`. When
     /// `false`, each window becomes one segment spanning the window.
     pub timestamps: bool,
+    /// How much of a short window's padding the encoder runs over. Default
+    /// [`Padding::DEFAULT_TRIMMED`].
+    pub padding: Padding,
 }
 
 impl Default for TranscribeOptions {
-    /// Auto language, transcribe, timestamps on.
+    /// Auto language, transcribe, timestamps on, padding trimmed to 2 s.
     fn default() -> Self {
         TranscribeOptions {
             language: None,
             task: Task::Transcribe,
             timestamps: true,
+            padding: Padding::DEFAULT_TRIMMED,
         }
     }
 }
@@ -90,7 +96,8 @@ pub struct Transcript {
 /// Not `Sync`-shareable for concurrent use: [`Whisper::transcribe`] takes `&mut self` because the
 /// decoder caches cross-attention keys/values per window. Load one per worker thread.
 pub struct Whisper {
-    model: Model,
+    config: Config,
+    encoder: encoder::Encoder,
     /// Our cached decoder (candle's re-runs the whole prefix each step); `model.decoder` unused.
     decoder: decoder::Decoder,
     tokenizer: Tokenizer,
@@ -100,6 +107,45 @@ pub struct Whisper {
     filters: Vec<f32>,
     device: Device,
     weights_bytes: u64,
+}
+
+/// How much of the silence that pads a window shorter than 30 s goes through the encoder.
+///
+/// Whisper was trained on windows padded to 30 s, so a 6 s clip costs a 30 s encoder pass.
+/// Trimming runs the audio plus a margin of the padding, and the decoder attends to just that:
+/// a 6 s clip then costs about a quarter of the encoder. With no margin Whisper loses the end
+/// of speech and loops; from 1 s on, the LibriVox test clips transcribe as well as with full
+/// padding (tiny.en: 5.6% word error rate against 8.5%; base: 2.8% both). A trimmed window
+/// whose greedy decode looks degenerate is decoded again over the full 30 s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Padding {
+    /// All of it: every window costs a full 30 s encoder pass, as Whisper was trained.
+    Full,
+    /// The audio plus `margin_seconds` of the padding (capped at 30 s).
+    Trimmed {
+        /// Seconds of padding kept after the audio.
+        margin_seconds: f64,
+    },
+}
+
+impl Padding {
+    /// Trimmed with a 2 s margin.
+    pub const DEFAULT_TRIMMED: Padding = Padding::Trimmed { margin_seconds: 2.0 };
+}
+
+impl std::str::FromStr for Padding {
+    type Err = String;
+
+    /// `full`, or the trimmed margin in seconds (`2`, `1.5`; at least 0.5).
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("full") {
+            return Ok(Padding::Full);
+        }
+        match s.parse::<f64>() {
+            Ok(margin) if margin >= 0.5 && margin.is_finite() => Ok(Padding::Trimmed { margin_seconds: margin }),
+            _ => Err(format!("expected `full` or a margin of at least 0.5 seconds, got {s:?}")),
+        }
+    }
 }
 
 // Workers move a loaded model into their own thread.
@@ -115,6 +161,26 @@ pub fn windows_for(seconds: f64) -> usize {
         return 1;
     }
     ((seconds / WINDOW_SECONDS).ceil() as usize).max(1)
+}
+
+/// Encoder positions of a full window (20 ms each).
+const FULL_POSITIONS: usize = m::N_FRAMES / 2;
+
+/// Encoder positions (20 ms each, at most 1500) run for a window of `samples` samples.
+fn encoder_positions(padding: Padding, samples: usize) -> usize {
+    match padding {
+        Padding::Full => FULL_POSITIONS,
+        Padding::Trimmed { margin_seconds } => {
+            let speech = samples.div_ceil(2 * m::HOP_LENGTH);
+            (speech + (margin_seconds.max(0.0) * 50.0).ceil() as usize).min(FULL_POSITIONS)
+        }
+    }
+}
+
+/// Sample range of window `w` of `pcm`.
+fn window_bounds(pcm: &[f32], w: usize) -> (usize, usize) {
+    let start = (w * m::N_SAMPLES).min(pcm.len());
+    (start, (start + m::N_SAMPLES).min(pcm.len()))
 }
 
 /// A recording's transcript while [`Whisper::transcribe_many`] builds it.
@@ -175,7 +241,8 @@ impl Whisper {
         let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
         let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config)
             .context("building the whisper decoder")?;
-        let model = Model::load(&vb, config).context("building the whisper model")?;
+        let encoder = encoder::Encoder::load(vb.pp("model.encoder"), &config)
+            .context("building the whisper encoder")?;
 
         let no_timestamps = token(&tokenizer, m::NO_TIMESTAMPS_TOKEN)?;
         let specials = Specials {
@@ -193,7 +260,7 @@ impl Whisper {
             suppress_begin: ct2_cfg.suppress_ids_begin,
         };
         // A vocabulary of 51864 is English-only; multilingual ones have the 99+ language tokens.
-        let multilingual = model.config.vocab_size >= 51865;
+        let multilingual = config.vocab_size >= 51865;
         let languages = if multilingual {
             ct2_cfg
                 .lang_ids
@@ -211,8 +278,9 @@ impl Whisper {
             bail!("multilingual model but config.json has no usable lang_ids");
         }
         Ok(Whisper {
-            filters: mel::mel_filters(model.config.num_mel_bins),
-            model,
+            filters: mel::mel_filters(config.num_mel_bins),
+            config,
+            encoder,
             decoder,
             tokenizer,
             specials,
@@ -233,10 +301,10 @@ impl Whisper {
         let silence = vec![0f32; m::N_SAMPLES];
         let mut features = Vec::with_capacity(windows.max(1));
         for _ in 0..windows.max(1) {
-            let mel = mel::window_mel(&self.model.config, &self.filters, &silence, &self.device)?;
-            features.push(self.model.encoder.forward(&mel, true)?);
+            let mel = mel::window_mel(&self.config, &self.filters, &silence, m::N_FRAMES, &self.device)?;
+            features.push(self.encoder.forward(&mel)?);
         }
-        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?)?;
+        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?, None)?;
         drop(features);
         let sot = vec![self.specials.sot; windows.max(1)];
         let input = candle_core::Tensor::from_vec(sot, (windows.max(1), 1), &self.device)?;
@@ -380,28 +448,33 @@ impl Whisper {
         }
     }
 
-    /// Encodes and decodes one batch of windows (`(input, window)` pairs, each input's windows
-    /// in order) and appends their segments to the inputs' items.
-    fn run_windows(
+    /// Encodes the windows of `chunk` over `positions[row]` encoder positions each and decodes
+    /// them; `None` for a trimmed row whose greedy decode needs a fallback.
+    fn encode_and_decode(
         &mut self,
         inputs: &[(&[f32], &TranscribeOptions)],
         chunk: &[(usize, usize)],
+        positions: &[usize],
         items: &mut [Pending],
-        progress: &mut dyn FnMut(usize, usize, usize),
-    ) -> Result<()> {
-        let sr = m::SAMPLE_RATE;
-        let bounds = |pcm: &[f32], w: usize| {
-            let start = (w * m::N_SAMPLES).min(pcm.len());
-            (start, (start + m::N_SAMPLES).min(pcm.len()))
-        };
+    ) -> Result<Vec<Option<decode::Decoded>>> {
         let mut features = Vec::with_capacity(chunk.len());
-        for &(i, w) in chunk {
+        for (&(i, w), &p) in chunk.iter().zip(positions) {
             let pcm = inputs[i].0;
-            let (start, end) = bounds(pcm, w);
-            let mel = mel::window_mel(&self.model.config, &self.filters, &pcm[start..end], &self.device)?;
-            features.push(self.model.encoder.forward(&mel, true)?);
+            let (start, end) = window_bounds(pcm, w);
+            let mel = mel::window_mel(&self.config, &self.filters, &pcm[start..end], 2 * p, &self.device)?;
+            features.push(self.encoder.forward(&mel)?);
         }
-        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?)?;
+        // Rows encoded over fewer positions are zero-padded to the longest; the decoder masks
+        // the padding, so a row decodes as it would alone.
+        let longest = positions.iter().copied().max().unwrap_or(0);
+        for (f, &p) in features.iter_mut().zip(positions) {
+            if p < longest {
+                let (b, _, d) = f.dims3()?;
+                let pad = candle_core::Tensor::zeros((b, longest - p, d), f.dtype(), f.device())?;
+                *f = candle_core::Tensor::cat(&[&*f, &pad], 1)?;
+            }
+        }
+        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?, Some(positions))?;
         drop(features);
         for (row, &(i, _)) in chunk.iter().enumerate() {
             if items[i].language.is_none() {
@@ -443,6 +516,7 @@ impl Whisper {
             // Seeds follow the window's place in its own recording, so batching cannot change
             // what a fallback samples.
             let seeds: Vec<u64> = rows.iter().map(|&r| chunk[r].1 as u64 + 1).collect();
+            let trimmed: Vec<bool> = rows.iter().map(|&r| positions[r] < FULL_POSITIONS).collect();
             let out = decode::decode_with_fallback(
                 &self.decoder,
                 rows_cross,
@@ -450,15 +524,47 @@ impl Whisper {
                 &self.specials,
                 timestamps,
                 &seeds,
+                &trimmed,
             )?;
             for (r, d) in rows.into_iter().zip(out) {
-                decoded[r] = Some(d);
+                decoded[r] = d;
+            }
+        }
+        Ok(decoded)
+    }
+
+    /// Encodes and decodes one batch of windows (`(input, window)` pairs, each input's windows
+    /// in order) and appends their segments to the inputs' items.
+    fn run_windows(
+        &mut self,
+        inputs: &[(&[f32], &TranscribeOptions)],
+        chunk: &[(usize, usize)],
+        items: &mut [Pending],
+        progress: &mut dyn FnMut(usize, usize, usize),
+    ) -> Result<()> {
+        let sr = m::SAMPLE_RATE;
+        let positions: Vec<usize> = chunk
+            .iter()
+            .map(|&(i, w)| {
+                let (start, end) = window_bounds(inputs[i].0, w);
+                encoder_positions(inputs[i].1.padding, end - start)
+            })
+            .collect();
+        let mut decoded = self.encode_and_decode(inputs, chunk, &positions, items)?;
+        // A trimmed window whose greedy decode looks wrong (a loop, low confidence) runs again
+        // over the full 30 s, as Whisper was trained, before any temperature fallback.
+        let redo: Vec<usize> = (0..chunk.len()).filter(|&r| decoded[r].is_none()).collect();
+        if !redo.is_empty() {
+            let again: Vec<(usize, usize)> = redo.iter().map(|&r| chunk[r]).collect();
+            let full = vec![FULL_POSITIONS; again.len()];
+            for (r, d) in redo.into_iter().zip(self.encode_and_decode(inputs, &again, &full, items)?) {
+                decoded[r] = d;
             }
         }
         for (&(i, w), d) in chunk.iter().zip(decoded) {
             let d = d.expect("every row decoded");
             let pcm = inputs[i].0;
-            let (_, end) = bounds(pcm, w);
+            let (_, end) = window_bounds(pcm, w);
             if !d.is_silence() {
                 let offset = (w * m::N_SAMPLES) as f64 / sr as f64;
                 let mut segments = Vec::new();

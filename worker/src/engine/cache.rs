@@ -157,6 +157,7 @@ impl ModelCache {
             Model::Llm(m) => m.weights_bytes(),
         };
         let load_ms = started.elapsed().as_millis() as u64;
+        metrics::histogram!("tern_model_load_seconds", "model" => name.to_string()).record(started.elapsed().as_secs_f64());
         tracing::info!(model = %name, ?family, bytes, unit_bytes, load_ms, "model loaded and warmed up");
         self.entries.insert(
             name.to_string(),

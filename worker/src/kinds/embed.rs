@@ -26,6 +26,8 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     if ctx.stop.reason().is_some() {
         return Execution::Stopped;
     }
+    // The job's cost is its padded tokens (set at submit).
+    metrics::counter!("tern_tokens_total", "kind" => "embed", "phase" => "prompt").increment(job.cost.max(0) as u64);
     json_output(&json!({
         "model": engine.names.embedder,
         "dimensions": vectors.first().map_or(0, Vec::len),

@@ -67,9 +67,11 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         return Execution::Stopped;
     };
     let generation = match generation {
-        Ok(g) => g,
+        Ok(v) => v,
         Err(e) => return engine_failure(&e),
     };
+    metrics::counter!("tern_tokens_total", "kind" => "generate", "phase" => "prompt").increment(generation.prompt_tokens as u64);
+    metrics::counter!("tern_tokens_total", "kind" => "generate", "phase" => "completion").increment(generation.completion_tokens as u64);
     json_output(&json!({
         "model": engine.names.llm,
         "text": generation.text,

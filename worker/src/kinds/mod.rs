@@ -48,6 +48,8 @@ pub struct Context<'a> {
     pub engine: Option<&'a Engine>,
     /// Longest audio accepted, seconds.
     pub max_audio_seconds: f64,
+    /// How much of a short Whisper window's padding the encoder runs.
+    pub whisper_padding: tern_models::whisper::Padding,
 }
 
 /// A failure retrying cannot help (bad input).

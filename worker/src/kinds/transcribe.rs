@@ -44,6 +44,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         language: input.get("language").and_then(Value::as_str).map(str::to_string),
         task: if input.get("task").and_then(Value::as_str) == Some("translate") { Task::Translate } else { Task::Transcribe },
         timestamps: input.get("timestamps").and_then(Value::as_bool).unwrap_or(true),
+        padding: ctx.whisper_padding,
     };
     let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel();
     let report = async {
@@ -60,9 +61,10 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         return Execution::Stopped;
     };
     let transcript = match transcript {
-        Ok(t) => t,
+        Ok(v) => v,
         Err(e) => return engine_failure(&e),
     };
+    metrics::counter!("tern_audio_seconds_total").increment(transcript.duration.round() as u64);
     let body = json!({
         "text": transcript.text,
         "language": transcript.language,

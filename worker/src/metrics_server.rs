@@ -1,0 +1,47 @@
+//! The worker's `GET /metrics` (Prometheus text format) on a port of its own
+//! (`TERN_METRICS_ADDR`). Job, batch and model counters are recorded where they happen; the
+//! model cache's state is copied into gauges at each scrape.
+
+use crate::engine::Engine;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+async fn metrics(State(engine): State<Option<Arc<Engine>>>) -> impl IntoResponse {
+    if let Some(engine) = engine {
+        let r = engine.report.lock().expect("not poisoned").clone();
+        metrics::gauge!("tern_worker_memory_budget_bytes").set(r.budget_bytes as f64);
+        metrics::gauge!("tern_worker_models_resident_bytes").set(r.resident_bytes as f64);
+        metrics::counter!("tern_model_cache_hits_total").absolute(r.hits);
+        metrics::counter!("tern_model_cache_misses_total").absolute(r.misses);
+        metrics::counter!("tern_model_cache_evictions_total").absolute(r.evictions);
+        metrics::counter!("tern_model_load_failures_total").absolute(r.load_failures);
+        for m in &r.models {
+            metrics::gauge!("tern_model_resident_bytes", "model" => m.name.clone()).set(m.bytes as f64);
+        }
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        tern_jobs::prometheus::install().render(),
+    )
+}
+
+/// Serves `/metrics` on `addr` until the process ends. A port already in use is logged, not
+/// fatal: a worker without metrics still runs jobs.
+pub async fn serve(addr: SocketAddr, engine: Option<Arc<Engine>>) {
+    tern_jobs::prometheus::install();
+    let app = Router::new().route("/metrics", get(metrics)).with_state(engine);
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => {
+            tracing::info!(%addr, "metrics at /metrics");
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::warn!(error = %e, "metrics server stopped");
+            }
+        }
+        Err(e) => tracing::warn!(%addr, error = %e, "metrics port unavailable; running without /metrics"),
+    }
+}
