@@ -5,6 +5,7 @@
 //! PADDING: `full` (the whole 30 s window, as Whisper was trained) or a margin in seconds;
 //! default `full`. Window batches from PADDING_BATCHES (comma-separated, default `1,16`).
 
+use tern_models::wer::{word_errors, words};
 use std::time::Instant;
 
 #[global_allocator]
@@ -13,28 +14,6 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use candle_core::Device;
 use tern_models::audio::decode_mono_16k;
 use tern_models::whisper::{Padding, TranscribeOptions, Whisper};
-
-fn words(text: &str) -> Vec<String> {
-    text.to_lowercase()
-        .chars()
-        .map(|c| if c.is_alphanumeric() || c == '\'' || c.is_whitespace() { c } else { ' ' })
-        .collect::<String>()
-        .split_whitespace()
-        .map(str::to_string)
-        .collect()
-}
-
-fn word_errors(reference: &[String], hypothesis: &[String]) -> usize {
-    let mut prev: Vec<usize> = (0..=hypothesis.len()).collect();
-    for (i, r) in reference.iter().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, h) in hypothesis.iter().enumerate() {
-            cur.push((prev[j] + usize::from(r != h)).min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[hypothesis.len()]
-}
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -4,6 +4,7 @@
 //! - [`whisper`]: Whisper on candle, loaded straight from faster-whisper (CTranslate2) folders.
 //! - [`embed`]: sentence embeddings with BERT-family encoders (all-MiniLM-L6-v2).
 //! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template.
+//! - [`wer`]: word error rate, to check transcripts against references.
 //!
 //! Everything runs on the CPU by default (pass another candle `Device` to
 //! [`whisper::Whisper::load_ct2`] to change that); no network access is needed at run time.
@@ -11,4 +12,5 @@
 pub mod audio;
 pub mod embed;
 pub mod generate;
+pub mod wer;
 pub mod whisper;

@@ -4,6 +4,7 @@
 //! and `testdata/librivox/`. Tests print SKIPPED and return when it is missing, except under
 //! `CI=true`, where a missing dir fails them so CI cannot pass vacuously.
 
+use tern_models::wer::{word_errors, words};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -47,50 +48,6 @@ fn references(dir: &Path) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Lowercase, punctuation (except in-word apostrophes) removed, whitespace collapsed.
-fn normalise(s: &str) -> Vec<String> {
-    let cleaned: String = s
-        .to_lowercase()
-        .chars()
-        .map(|c| {
-            if c.is_alphanumeric() || c == '\'' {
-                c
-            } else {
-                ' '
-            }
-        })
-        .collect();
-    cleaned
-        .split_whitespace()
-        .map(|w| w.trim_matches('\''))
-        .filter(|w| !w.is_empty())
-        // Spelled-out titles, as Whisper's EnglishTextNormalizer does: the references spell
-        // "mister", Whisper writes "Mr.".
-        .map(|w| match w {
-            "mr" => "mister",
-            "mrs" => "missus",
-            "dr" => "doctor",
-            w => w,
-        })
-        .map(str::to_string)
-        .collect()
-}
-
-/// Word-level Levenshtein distance.
-fn edit_distance(a: &[String], b: &[String]) -> usize {
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, wa) in a.iter().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, wb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(wa != wb))
-                .min(prev[j + 1] + 1)
-                .min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
 fn load(dir: &Path) -> Whisper {
     let t = Instant::now();
     let w = Whisper::load_ct2(&dir.join("whisper-tiny.en"), &Device::Cpu).expect("load tiny.en");
@@ -110,7 +67,7 @@ fn tiny_en_librivox_wer() {
     let mut whisper = load(&dir);
     let refs = references(&dir);
     assert!(!refs.is_empty());
-    let (mut errors, mut words) = (0usize, 0usize);
+    let (mut errors, mut total_words) = (0usize, 0usize);
     for (id, reference) in &refs {
         let pcm = clip_pcm(&dir, id);
         let t = Instant::now();
@@ -123,10 +80,10 @@ fn tiny_en_librivox_wer() {
         let took = t.elapsed();
         assert_eq!(calls, vec![(1, 1)]);
         assert_eq!(tr.language, "en");
-        let (h, r) = (normalise(&tr.text), normalise(reference));
-        let e = edit_distance(&h, &r);
+        let (h, r) = (words(&tr.text), words(reference));
+        let e = word_errors(&h, &r);
         errors += e;
-        words += r.len();
+        total_words += r.len();
         println!(
             "{id} ({:.2} s audio, {:.2?}): errors {e}/{}\n  hyp: {}\n  ref: {}\n  segments: {:?}",
             tr.duration,
@@ -143,8 +100,8 @@ fn tiny_en_librivox_wer() {
             );
         }
     }
-    let wer = errors as f64 / words as f64;
-    println!("WER {wer:.4} ({errors}/{words})");
+    let wer = errors as f64 / total_words as f64;
+    println!("WER {wer:.4} ({errors}/{total_words})");
     assert!(wer <= 0.10, "WER {wer:.4} > 0.10");
 }
 
@@ -163,8 +120,8 @@ fn tiny_en_without_timestamps_gives_one_segment_per_window() {
     assert_eq!(tr.segments.len(), 1);
     assert_eq!(tr.segments[0].start, 0.0);
     assert!((tr.segments[0].end - tr.duration).abs() < 1e-6);
-    let (h, r) = (normalise(&tr.text), normalise(&reference));
-    assert!(edit_distance(&h, &r) <= 1, "{h:?} vs {r:?}");
+    let (h, r) = (words(&tr.text), words(&reference));
+    assert!(word_errors(&h, &r) <= 1, "{h:?} vs {r:?}");
 }
 
 #[test]
@@ -190,7 +147,7 @@ fn long_audio_is_windowed_and_stitched_in_order() {
         let (id, reference) = &refs[i % refs.len()];
         pcm.extend(clip_pcm(&dir, id));
         pcm.extend_from_slice(&silence);
-        expected.push(normalise(reference));
+        expected.push(words(reference));
         i += 1;
     }
     let seconds = pcm.len() as f64 / 16_000.0;
@@ -215,7 +172,7 @@ fn long_audio_is_windowed_and_stitched_in_order() {
     assert!(tr.segments.iter().all(|s| s.end <= seconds + 1e-6));
     // Rough order check: each clip's rarest-ish (longest) word appears after the previous one's.
     // Words cut at a window boundary may be garbled, so allow one clip to be missed.
-    let hyp = normalise(&tr.text);
+    let hyp = words(&tr.text);
     let mut pos = 0;
     let mut missed = 0;
     for words in &expected {
@@ -238,17 +195,17 @@ fn trimmed_windows_of_different_lengths_batched_give_each_clip_its_own_transcrip
     assert!(matches!(opts.padding, Padding::Trimmed { .. }));
     let inputs: Vec<(&[f32], &TranscribeOptions)> = pcms.iter().map(|p| (p.as_slice(), &opts)).collect();
     let batched = whisper.transcribe_many(&inputs, 8, &|_| false, &mut |_, _, _| {});
-    let (mut errors, mut words) = (0, 0);
+    let (mut errors, mut total_words) = (0, 0);
     for ((pcm, batched), (_, reference)) in pcms.iter().zip(batched).zip(&refs) {
         let batched = batched.unwrap();
         let alone = whisper.transcribe(pcm, &opts, &mut |_, _| {}).unwrap();
         // The clips differ in length, so the batch pads rows to the longest and masks the rest.
         assert_eq!(batched.text, alone.text);
         assert_eq!(batched.segments.len(), alone.segments.len());
-        errors += edit_distance(&normalise(&batched.text), &normalise(reference));
-        words += normalise(reference).len();
+        errors += word_errors(&words(&batched.text), &words(reference));
+        total_words += words(reference).len();
     }
-    assert!((errors as f64) / (words as f64) <= 0.10, "{errors}/{words} word errors");
+    assert!((errors as f64) / (total_words as f64) <= 0.10, "{errors}/{total_words} word errors");
 }
 
 #[test]
@@ -256,13 +213,13 @@ fn full_padding_transcribes_as_whisper_was_trained() {
     let Some(dir) = models_dir() else { return };
     let mut whisper = load(&dir);
     let opts = TranscribeOptions { padding: Padding::Full, ..Default::default() };
-    let (mut errors, mut words) = (0, 0);
+    let (mut errors, mut total_words) = (0, 0);
     for (id, reference) in references(&dir) {
         let tr = whisper.transcribe(&clip_pcm(&dir, &id), &opts, &mut |_, _| {}).unwrap();
-        errors += edit_distance(&normalise(&tr.text), &normalise(&reference));
-        words += normalise(&reference).len();
+        errors += word_errors(&words(&tr.text), &words(&reference));
+        total_words += words(&reference).len();
     }
-    assert!((errors as f64) / (words as f64) <= 0.10, "{errors}/{words} word errors");
+    assert!((errors as f64) / (total_words as f64) <= 0.10, "{errors}/{total_words} word errors");
 }
 
 #[test]

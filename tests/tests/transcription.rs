@@ -1,5 +1,6 @@
 //! Speech to text through the whole service: API, queue, worker (Whisper on candle), S3.
 
+use tern_models::wer::{word_errors, words};
 use base64::Engine;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -23,29 +24,6 @@ fn clips() -> Vec<(PathBuf, String)> {
             Some((librivox().join(format!("{id}.wav")), text.trim().to_string()))
         })
         .collect()
-}
-
-fn words(text: &str) -> Vec<String> {
-    text.to_lowercase()
-        .chars()
-        .map(|c| if c.is_alphanumeric() || c == '\'' || c.is_whitespace() { c } else { ' ' })
-        .collect::<String>()
-        .split_whitespace()
-        .map(str::to_string)
-        .collect()
-}
-
-/// Word-level edit distance.
-fn word_errors(reference: &[String], hypothesis: &[String]) -> usize {
-    let mut prev: Vec<usize> = (0..=hypothesis.len()).collect();
-    for (i, r) in reference.iter().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, h) in hypothesis.iter().enumerate() {
-            cur.push((prev[j] + usize::from(r != h)).min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[hypothesis.len()]
 }
 
 fn b64(bytes: &[u8]) -> String {
