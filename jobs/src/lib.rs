@@ -18,6 +18,7 @@ pub mod file_ref;
 pub mod job;
 pub mod kind;
 pub mod logging;
+pub mod model_versions;
 pub mod object_store;
 pub mod priority;
 pub mod prometheus;

@@ -7,6 +7,7 @@ mod file_fetch;
 mod kinds;
 mod lease_keeper;
 mod metrics_server;
+mod model_swap;
 mod registry;
 mod resources;
 mod runner;
@@ -15,6 +16,7 @@ mod stop;
 use anyhow::Context;
 use clap::Parser;
 use runner::{Runner, RunnerSettings};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tern_jobs::config::ServiceArgs;
@@ -178,6 +180,14 @@ async fn main() -> anyhow::Result<()> {
     let objects = ObjectStore::new(&cli.services.s3.settings());
     objects.ensure_bucket().await.context("reaching the S3 bucket")?;
 
+    let defaults: HashMap<JobKind, String> = [
+        (JobKind::Transcribe, cli.whisper_model.clone()),
+        (JobKind::Embed, cli.embed_model.clone()),
+        (JobKind::Generate, cli.llm_model.clone()),
+    ]
+    .into();
+    let active = model_swap::active_at_start(&store, &kinds).await;
+    let model = |kind: JobKind| active.get(&kind).map_or_else(|| defaults[&kind].clone(), |t| t.model.clone());
     let registry = Arc::new(registry::Registry {
         store: store.clone(),
         worker_id: worker_id.clone(),
@@ -223,9 +233,9 @@ async fn main() -> anyhow::Result<()> {
                 expand_home(&cli.models_dir),
                 cli.device.clone(),
                 engine::ModelNames {
-                    whisper: cli.whisper_model.clone(),
-                    embedder: cli.embed_model.clone(),
-                    llm: cli.llm_model.clone(),
+                    whisper: model(JobKind::Transcribe),
+                    embedder: model(JobKind::Embed),
+                    llm: model(JobKind::Generate),
                 },
                 budget,
                 engine::BatchLimits {
@@ -247,6 +257,18 @@ async fn main() -> anyhow::Result<()> {
     // The row is marked stopped after the batches in hand finish, not at the signal.
     let (registry_stop_tx, registry_stop_rx) = tokio::sync::watch::channel(false);
     let registry_task = tokio::spawn(registry.run(runner.engine.clone(), REGISTRY_INTERVAL, registry_stop_rx));
+    if let Some(engine) = &runner.engine {
+        let swapper = model_swap::Swapper {
+            store: runner.store.clone(),
+            engine: engine.clone(),
+            worker_id: worker_id.clone(),
+            kinds: kinds.iter().copied().filter(|k| model_swap::family_of(*k).is_some()).collect(),
+            current: kinds.iter().map(|k| (*k, active.get(k).map(|t| t.version))).collect(),
+            defaults,
+            failed: Default::default(),
+        };
+        tokio::spawn(swapper.run(REGISTRY_INTERVAL, shutdown_rx.clone()));
+    }
     let loops: Vec<_> = (0..cli.concurrency.max(1))
         .map(|_| tokio::spawn(runner.clone().run_loop(shutdown_rx.clone(), abort_rx.clone())))
         .collect();

@@ -25,13 +25,6 @@ pub struct Registry {
     pub optimisations: Vec<String>,
 }
 
-/// Resident set of this process (Linux `/proc/self/status`).
-fn rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
-}
-
 impl Registry {
     fn status(&self, engine: Option<&Engine>) -> serde_json::Value {
         let report = engine.map(|e| e.report.lock().expect("not poisoned").clone());
@@ -39,7 +32,7 @@ impl Registry {
             "memory": {
                 "budget_bytes": report.as_ref().map(|r| r.budget_bytes),
                 "models_bytes": report.as_ref().map(|r| r.resident_bytes),
-                "rss_bytes": rss_bytes(),
+                "rss_bytes": crate::resources::process_status_bytes("VmRSS:"),
             },
             "models": report.as_ref().map(|r| &r.models),
             "cache": report.as_ref().map(|r| serde_json::json!({

@@ -54,6 +54,13 @@ pub fn parse_device(s: &str) -> Result<candle_core::Device, String> {
     }
 }
 
+/// A `/proc/self/status` field in bytes (Linux): `VmRSS:` (resident now), `VmHWM:` (peak).
+pub fn process_status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_bytes;

@@ -6,6 +6,7 @@ pub mod endpoints;
 pub mod health;
 pub mod jobs;
 pub mod metrics;
+pub mod models;
 pub mod uploads;
 
 use crate::error::ApiError;
@@ -48,6 +49,8 @@ pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
         .route("/v1/admin/system", get(admin::system))
         .route("/v1/admin/workers/{id}/drain", post(admin::drain))
         .route("/v1/admin/workers/{id}/undrain", post(admin::undrain))
+        .route("/v1/admin/models", post(models::register).get(models::list))
+        .route("/v1/admin/models/{kind}/rollback", post(models::rollback))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(std::sync::Arc::new(cors), crate::middleware::wrap))

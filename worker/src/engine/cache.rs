@@ -67,10 +67,7 @@ pub struct ModelReport {
 }
 
 pub struct ModelCache {
-    dir: PathBuf,
-    /// Runs hub downloads (async HTTP) from the model thread.
-    runtime: tokio::runtime::Handle,
-    device: Device,
+    source: Source,
     budget: u64,
     entries: HashMap<String, Entry>,
     clock: u64,
@@ -90,7 +87,7 @@ impl ModelCache {
         report: Arc<Mutex<CacheReport>>,
     ) -> ModelCache {
         report.lock().expect("not poisoned").budget_bytes = budget;
-        ModelCache { dir, runtime, device, budget, entries: HashMap::new(), clock: 0, report }
+        ModelCache { source: Source { dir, runtime, device }, budget, entries: HashMap::new(), clock: 0, report }
     }
 
     /// Bytes of the budget not held by resident weights: what batches may use.
@@ -121,54 +118,38 @@ impl ModelCache {
             return Ok(&mut self.entries.get_mut(name).expect("checked").model);
         }
         self.report.lock().expect("not poisoned").misses += 1;
-        let unavailable = |reason: String| EngineError::ModelUnavailable { model: name.to_string(), reason };
-        let dir = if name.starts_with(super::hub::PREFIX) {
-            super::hub::fetch(&self.dir, name, family, &self.runtime).map_err(|e| unavailable(format!("{e:#}")))?
-        } else {
-            self.dir.join(name)
-        };
-        let estimate = estimate_bytes(family, &dir).map_err(|e| unavailable(format!("{e:#}")))?;
-        if estimate > self.budget {
-            self.report.lock().expect("not poisoned").load_failures += 1;
-            return Err(unavailable(format!(
-                "it needs about {estimate} bytes; the worker's memory budget is {} bytes (TERN_MEMORY_BUDGET)",
-                self.budget
-            )));
-        }
-        while self.resident() + estimate > self.budget {
-            self.evict_lru_except(None);
-        }
-        let started = Instant::now();
-        let loaded = load(family, &dir, &self.device).and_then(|mut model| {
-            let unit_bytes = warmup(&mut model).map_err(|e| e.context("warmup failed"))?;
-            Ok((model, unit_bytes))
+        let loaded = self.source.locate(family, name, self.budget).and_then(|(dir, estimate)| {
+            while self.resident() + estimate > self.budget {
+                self.evict_lru_except(None);
+            }
+            self.source.load(family, name, &dir)
         });
-        let (model, unit_bytes) = match loaded {
-            Ok(x) => x,
+        match loaded {
+            Ok(loaded) => Ok(self.install(name, loaded)),
             Err(e) => {
                 self.report.lock().expect("not poisoned").load_failures += 1;
-                tracing::error!(model = %name, error = format!("{e:#}"), "model refused");
-                return Err(unavailable(format!("{e:#}")));
+                Err(e)
             }
-        };
-        let bytes = match &model {
-            Model::Whisper(m) => m.weights_bytes(),
-            Model::Embedder(m) => m.weights_bytes(),
-            Model::Llm(m) => m.weights_bytes(),
-        };
-        let load_ms = started.elapsed().as_millis() as u64;
-        metrics::histogram!("tern_model_load_seconds", "model" => name.to_string()).record(started.elapsed().as_secs_f64());
-        tracing::info!(model = %name, ?family, bytes, unit_bytes, load_ms, "model loaded and warmed up");
-        self.entries.insert(
-            name.to_string(),
-            Entry { model, family, bytes, unit_bytes, last_used: clock, hits: 0, load_ms },
-        );
-        // The estimate may have been low: make room now, never evicting the model just loaded.
+        }
+    }
+
+    /// Puts a loaded model in the cache as the most recently used, then evicts others (never
+    /// it) while over the budget: the estimate may have been low, or it was loaded in the
+    /// background beside the resident models.
+    pub fn install(&mut self, name: &str, loaded: Loaded) -> &mut Model {
+        self.clock += 1;
+        let Loaded { model, family, bytes, unit_bytes, load_ms } = loaded;
+        self.entries.insert(name.to_string(), Entry { model, family, bytes, unit_bytes, last_used: self.clock, hits: 0, load_ms });
         while self.resident() > self.budget && self.entries.len() > 1 {
             self.evict_lru_except(Some(name));
         }
         self.publish();
-        Ok(&mut self.entries.get_mut(name).expect("inserted").model)
+        &mut self.entries.get_mut(name).expect("inserted").model
+    }
+
+    /// Where this cache loads models from, for loads in the background.
+    pub fn source(&self) -> Source {
+        self.source.clone()
     }
 
     /// Evicts the least recently used model other than `keep`.
@@ -202,6 +183,66 @@ impl ModelCache {
             })
             .collect();
         r.models.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+}
+
+/// A model loaded and warmed up, not yet in a cache.
+pub struct Loaded {
+    pub model: Model,
+    family: Family,
+    bytes: u64,
+    unit_bytes: u64,
+    pub load_ms: u64,
+}
+
+/// Where models come from: the models directory, the hub, and the device they run on.
+#[derive(Clone)]
+pub struct Source {
+    dir: PathBuf,
+    /// Runs hub downloads (async HTTP) from threads outside the runtime.
+    runtime: tokio::runtime::Handle,
+    device: Device,
+}
+
+impl Source {
+    /// The model's folder (downloaded first for a hub id) and its estimated size, refused when
+    /// the size is over `budget`.
+    pub fn locate(&self, family: Family, name: &str, budget: u64) -> Result<(PathBuf, u64), EngineError> {
+        let unavailable = |reason: String| EngineError::ModelUnavailable { model: name.to_string(), reason };
+        let dir = if name.starts_with(super::hub::PREFIX) {
+            super::hub::fetch(&self.dir, name, family, &self.runtime).map_err(|e| unavailable(format!("{e:#}")))?
+        } else {
+            self.dir.join(name)
+        };
+        let estimate = estimate_bytes(family, &dir).map_err(|e| unavailable(format!("{e:#}")))?;
+        if estimate > budget {
+            return Err(unavailable(format!(
+                "it needs about {estimate} bytes; the worker's memory budget is {budget} bytes (TERN_MEMORY_BUDGET)"
+            )));
+        }
+        Ok((dir, estimate))
+    }
+
+    /// Loads and warms up the model in `dir`, measuring its working memory per cost unit.
+    pub fn load(&self, family: Family, name: &str, dir: &Path) -> Result<Loaded, EngineError> {
+        let started = Instant::now();
+        let loaded = load(family, dir, &self.device).and_then(|mut model| {
+            let unit_bytes = warmup(&mut model).map_err(|e| e.context("warmup failed"))?;
+            Ok((model, unit_bytes))
+        });
+        let (model, unit_bytes) = loaded.map_err(|e| {
+            tracing::error!(model = %name, error = format!("{e:#}"), "model refused");
+            EngineError::ModelUnavailable { model: name.to_string(), reason: format!("{e:#}") }
+        })?;
+        let bytes = match &model {
+            Model::Whisper(m) => m.weights_bytes(),
+            Model::Embedder(m) => m.weights_bytes(),
+            Model::Llm(m) => m.weights_bytes(),
+        };
+        let load_ms = started.elapsed().as_millis() as u64;
+        metrics::histogram!("tern_model_load_seconds", "model" => name.to_string()).record(started.elapsed().as_secs_f64());
+        tracing::info!(model = %name, ?family, bytes, unit_bytes, load_ms, "model loaded and warmed up");
+        Ok(Loaded { model, family, bytes, unit_bytes, load_ms })
     }
 }
 
@@ -267,20 +308,15 @@ fn warmup(model: &mut Model) -> anyhow::Result<u64> {
 
 /// Peak resident set of this process, from `/proc/self/status` (Linux).
 mod peak_rss {
-    fn field(name: &str) -> Option<u64> {
-        let status = std::fs::read_to_string("/proc/self/status").ok()?;
-        let line = status.lines().find(|l| l.starts_with(name))?;
-        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kb * 1024)
-    }
+    use crate::resources::process_status_bytes;
 
     /// Resets the peak to the current resident set (writes 5 to clear_refs) and returns it.
     pub fn reset() -> Option<u64> {
         std::fs::write("/proc/self/clear_refs", "5").ok()?;
-        field("VmRSS:")
+        process_status_bytes("VmRSS:")
     }
 
     pub fn peak() -> Option<u64> {
-        field("VmHWM:")
+        process_status_bytes("VmHWM:")
     }
 }

@@ -4,12 +4,13 @@
 //! batch on a model from the [`cache::ModelCache`].
 
 pub mod cache;
+pub mod health;
 mod hub;
 
-use cache::{CacheReport, Family, Model, ModelCache};
+use cache::{CacheReport, Family, Loaded, Model, ModelCache, Source};
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tern_models::generate::{GenerateError, GenerateOptions, Generation, Prompt};
@@ -22,6 +23,31 @@ pub struct ModelNames {
     pub whisper: String,
     pub embedder: String,
     pub llm: String,
+}
+
+impl ModelNames {
+    pub fn of(&self, family: Family) -> &str {
+        match family {
+            Family::Whisper => &self.whisper,
+            Family::Embedder => &self.embedder,
+            Family::Llm => &self.llm,
+        }
+    }
+
+    fn set(&mut self, family: Family, name: String) {
+        match family {
+            Family::Whisper => self.whisper = name,
+            Family::Embedder => self.embedder = name,
+            Family::Llm => self.llm = name,
+        }
+    }
+}
+
+/// A result and the model that produced it.
+#[derive(Debug)]
+pub struct Served<T> {
+    pub value: T,
+    pub model: String,
 }
 
 /// Limits of the batches the engine runs.
@@ -69,7 +95,7 @@ impl EngineError {
     }
 }
 
-type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+type Reply<T> = oneshot::Sender<Result<Served<T>, EngineError>>;
 
 enum Request {
     Transcribe {
@@ -93,6 +119,15 @@ enum Request {
         stop: Arc<AtomicBool>,
         reply: Reply<Generation>,
     },
+    /// Switch `family` to a model loaded (and health-checked) in the background. Handled as
+    /// soon as the thread is between batches.
+    Install {
+        family: Family,
+        name: String,
+        loaded: Box<Loaded>,
+        /// The name it replaced.
+        reply: oneshot::Sender<String>,
+    },
 }
 
 impl Request {
@@ -101,6 +136,7 @@ impl Request {
             Request::Transcribe { .. } => Family::Whisper,
             Request::Embed { .. } => Family::Embedder,
             Request::Generate { .. } => Family::Llm,
+            Request::Install { family, .. } => *family,
         }
     }
 }
@@ -120,7 +156,13 @@ const MAX_EMBED_TOKENS: usize = 32_768;
 /// Handle to the model thread. Cheap to share behind an `Arc`.
 pub struct Engine {
     requests: mpsc::Sender<Request>,
-    pub names: ModelNames,
+    /// The models serving each family now; swaps change them.
+    names: Arc<Mutex<ModelNames>>,
+    source: Source,
+    /// Set while a swap loads a model in the background.
+    pub swap_loading: Arc<AtomicBool>,
+    /// Batches run while `swap_loading` was set: batches that did not wait for the load.
+    pub batches_during_load: Arc<AtomicU64>,
     /// The model cache's state, refreshed by the thread.
     pub report: Arc<Mutex<CacheReport>>,
     windows: Arc<AtomicI64>,
@@ -136,9 +178,16 @@ impl Engine {
         let report = Arc::new(Mutex::new(CacheReport::default()));
         let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
         let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
+        let names = Arc::new(Mutex::new(names));
+        let cache = ModelCache::new(models_dir, tokio::runtime::Handle::current(), device, budget, report.clone());
+        let source = cache.source();
+        let swap_loading = Arc::new(AtomicBool::new(false));
+        let batches_during_load = Arc::new(AtomicU64::new(0));
         let thread = Thread {
-            cache: ModelCache::new(models_dir, tokio::runtime::Handle::current(), device, budget, report.clone()),
+            cache,
             names: names.clone(),
+            swap_loading: swap_loading.clone(),
+            batches_during_load: batches_during_load.clone(),
             limits: limits.clone(),
             windows: windows.clone(),
             embed_tokens: embed_tokens.clone(),
@@ -148,7 +197,49 @@ impl Engine {
             .name("model-engine".into())
             .spawn(move || thread.serve(rx))
             .expect("spawn the model thread");
-        Engine { requests: tx, names, report, windows, embed_tokens, generate_tokens: limits.generate_tokens as i64 }
+        Engine {
+            requests: tx,
+            names,
+            source,
+            swap_loading,
+            batches_during_load,
+            report,
+            windows,
+            embed_tokens,
+            generate_tokens: limits.generate_tokens as i64,
+        }
+    }
+
+    /// The model serving `family` now.
+    pub fn model_of(&self, family: Family) -> String {
+        self.names.lock().expect("not poisoned").of(family).to_string()
+    }
+
+    /// The memory budget of the resident models, bytes.
+    pub fn budget_bytes(&self) -> u64 {
+        self.report.lock().expect("not poisoned").budget_bytes
+    }
+
+    /// Where the models come from, for loading one in the background.
+    pub fn source(&self) -> &Source {
+        &self.source
+    }
+
+    /// Switches `family` to `loaded` (called `name`) between batches; returns the name it
+    /// replaced, which stays resident (least recently used first out) for a rollback.
+    pub async fn install(&self, family: Family, name: String, loaded: Loaded) -> Result<String, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Request::Install { family, name, loaded: Box::new(loaded), reply })?;
+        answer.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))
+    }
+
+    /// Switches `family` to the resident or loadable model `name` without a background load
+    /// (a rollback to a model still in memory); returns the name it replaced.
+    pub fn switch(&self, family: Family, name: String) -> String {
+        let mut names = self.names.lock().expect("not poisoned");
+        let old = names.of(family).to_string();
+        names.set(family, name);
+        old
     }
 
     /// The cost budget for one pulled batch of `family`'s jobs: windows for transcription,
@@ -166,7 +257,7 @@ impl Engine {
         self.requests.send(r).map_err(|_| EngineError::Inference("the model thread stopped".into()))
     }
 
-    async fn answer<T>(rx: oneshot::Receiver<Result<T, EngineError>>) -> Result<T, EngineError> {
+    async fn answer<T>(rx: oneshot::Receiver<Result<Served<T>, EngineError>>) -> Result<Served<T>, EngineError> {
         rx.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))?
     }
 
@@ -178,14 +269,14 @@ impl Engine {
         options: TranscribeOptions,
         progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
         stop: Arc<AtomicBool>,
-    ) -> Result<Transcript, EngineError> {
+    ) -> Result<Served<Transcript>, EngineError> {
         let (reply, answer) = oneshot::channel();
         self.send(Request::Transcribe { pcm, options, progress, stop, reply })?;
         Self::answer(answer).await
     }
 
     /// Embeds texts: one unit vector per text, in order.
-    pub async fn embed(&self, texts: Vec<String>) -> Result<Vec<Vec<f32>>, EngineError> {
+    pub async fn embed(&self, texts: Vec<String>) -> Result<Served<Vec<Vec<f32>>>, EngineError> {
         let (reply, answer) = oneshot::channel();
         self.send(Request::Embed { texts, reply })?;
         Self::answer(answer).await
@@ -199,7 +290,7 @@ impl Engine {
         options: GenerateOptions,
         progress: tokio_mpsc::UnboundedSender<(String, usize)>,
         stop: Arc<AtomicBool>,
-    ) -> Result<Generation, EngineError> {
+    ) -> Result<Served<Generation>, EngineError> {
         let (reply, answer) = oneshot::channel();
         self.send(Request::Generate { prompt, options, progress, stop, reply })?;
         Self::answer(answer).await
@@ -208,7 +299,9 @@ impl Engine {
 
 struct Thread {
     cache: ModelCache,
-    names: ModelNames,
+    names: Arc<Mutex<ModelNames>>,
+    swap_loading: Arc<AtomicBool>,
+    batches_during_load: Arc<AtomicU64>,
     limits: BatchLimits,
     windows: Arc<AtomicI64>,
     embed_tokens: Arc<AtomicI64>,
@@ -222,6 +315,10 @@ impl Thread {
             let first = match self.backlog.pop_front() {
                 Some(r) => r,
                 None => match rx.recv() {
+                    Ok(Request::Install { family, name, loaded, reply }) => {
+                        self.install(family, name, *loaded, reply);
+                        continue;
+                    }
                     Ok(r) => r,
                     Err(_) => return,
                 },
@@ -238,11 +335,16 @@ impl Thread {
                 loop {
                     let wait = LINGER.min(LINGER_MAX.saturating_sub(opened.elapsed()));
                     match rx.recv_timeout(wait) {
+                        // The group has not started: it runs on the new model.
+                        Ok(Request::Install { family, name, loaded, reply }) => self.install(family, name, *loaded, reply),
                         Ok(r) if r.family() == family => group.push(r),
                         Ok(r) => self.backlog.push_back(r),
                         Err(_) => break,
                     }
                 }
+            }
+            if self.swap_loading.load(Ordering::Relaxed) {
+                self.batches_during_load.fetch_add(1, Ordering::Relaxed);
             }
             match family {
                 Family::Whisper => self.transcribe(group),
@@ -250,6 +352,22 @@ impl Thread {
                 Family::Llm => group.into_iter().for_each(|r| self.generate(r)),
             }
         }
+    }
+
+    fn install(&mut self, family: Family, name: String, loaded: Loaded, reply: oneshot::Sender<String>) {
+        self.cache.install(&name, loaded);
+        let old = {
+            let mut names = self.names.lock().expect("not poisoned");
+            let old = names.of(family).to_string();
+            names.set(family, name.clone());
+            old
+        };
+        tracing::info!(?family, model = %name, replaced = %old, "model swapped in between batches");
+        let _ = reply.send(old);
+    }
+
+    fn name_of(&self, family: Family) -> String {
+        self.names.lock().expect("not poisoned").of(family).to_string()
     }
 
     /// Publishes the batch size the memory left in the budget allows.
@@ -270,7 +388,7 @@ impl Thread {
                 inputs.push((pcm, options, progress, stop, reply));
             }
         }
-        let name = self.names.whisper.clone();
+        let name = self.name_of(Family::Whisper);
         let model = match self.cache.get(Family::Whisper, &name) {
             Ok(Model::Whisper(m)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
@@ -287,7 +405,8 @@ impl Thread {
         });
         tracing::info!(recordings = inputs.len(), window_batch, "transcription batch done");
         for ((.., reply), result) in inputs.into_iter().zip(results) {
-            let _ = reply.send(result.map_err(|e| EngineError::Inference(format!("{e:#}"))));
+            let served = result.map(|value| Served { value, model: name.clone() });
+            let _ = reply.send(served.map_err(|e| EngineError::Inference(format!("{e:#}"))));
         }
         self.calibrate(&name, self.limits.windows, MAX_WINDOWS, &self.windows);
     }
@@ -299,7 +418,7 @@ impl Thread {
                 jobs.push((texts, reply));
             }
         }
-        let name = self.names.embedder.clone();
+        let name = self.name_of(Family::Embedder);
         let model = match self.cache.get(Family::Embedder, &name) {
             Ok(Model::Embedder(m)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
@@ -315,7 +434,7 @@ impl Thread {
                 let mut vectors = vectors.into_iter();
                 for (texts, reply) in jobs {
                     let mine: Vec<_> = vectors.by_ref().take(texts.len()).collect();
-                    let _ = reply.send(Ok(mine));
+                    let _ = reply.send(Ok(Served { value: mine, model: name.clone() }));
                 }
             }
             Err(e) => {
@@ -328,7 +447,7 @@ impl Thread {
 
     fn generate(&mut self, r: Request) {
         let Request::Generate { prompt, options, progress, stop, reply } = r else { return };
-        let name = self.names.llm.clone();
+        let name = self.name_of(Family::Llm);
         let model = match self.cache.get(Family::Llm, &name) {
             Ok(Model::Llm(m)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
@@ -346,6 +465,6 @@ impl Thread {
             Some(g) if *g != GenerateError::Canceled => EngineError::Rejected { code: g.code(), message: g.to_string() },
             _ => EngineError::Inference(format!("{e:#}")),
         });
-        let _ = reply.send(result);
+        let _ = reply.send(result.map(|value| Served { value, model: name }));
     }
 }

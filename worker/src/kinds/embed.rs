@@ -20,16 +20,17 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         return Execution::Stopped;
     }
     let vectors = match engine.embed(texts).await {
-        Ok(v) => v,
+        Ok(served) => served,
         Err(e) => return engine_failure(&e),
     };
+    let (vectors, model) = (vectors.value, vectors.model);
     if ctx.stop.reason().is_some() {
         return Execution::Stopped;
     }
     // The job's cost is its padded tokens (set at submit).
     metrics::counter!("tern_tokens_total", "kind" => "embed", "phase" => "prompt").increment(job.cost.max(0) as u64);
     json_output(&json!({
-        "model": engine.names.embedder,
+        "model": model,
         "dimensions": vectors.first().map_or(0, Vec::len),
         "embeddings": vectors,
     }))

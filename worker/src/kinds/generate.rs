@@ -67,13 +67,14 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         return Execution::Stopped;
     };
     let generation = match generation {
-        Ok(v) => v,
+        Ok(served) => served,
         Err(e) => return engine_failure(&e),
     };
+    let (generation, model) = (generation.value, generation.model);
     metrics::counter!("tern_tokens_total", "kind" => "generate", "phase" => "prompt").increment(generation.prompt_tokens as u64);
     metrics::counter!("tern_tokens_total", "kind" => "generate", "phase" => "completion").increment(generation.completion_tokens as u64);
     json_output(&json!({
-        "model": engine.names.llm,
+        "model": model,
         "text": generation.text,
         "finish_reason": generation.finish_reason,
         "usage": { "prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens },

@@ -61,15 +61,16 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         return Execution::Stopped;
     };
     let transcript = match transcript {
-        Ok(v) => v,
+        Ok(served) => served,
         Err(e) => return engine_failure(&e),
     };
+    let (transcript, model) = (transcript.value, transcript.model);
     metrics::counter!("tern_audio_seconds_total").increment(transcript.duration.round() as u64);
     let body = json!({
         "text": transcript.text,
         "language": transcript.language,
         "duration": transcript.duration,
-        "model": engine.names.whisper,
+        "model": model,
         "segments": transcript.segments,
     });
     Execution::Output {
