@@ -12,6 +12,8 @@
 #   down         stop the SeaweedFS server started by `up` (Postgres and Redis are left alone)
 #   browser      install headless Chromium (Debian `chromium`) and Node, and playwright-core
 #                in tests/dashboard (`npm ci`), for the dashboard test
+#   schemathesis install schemathesis (PyPI) into $TERN_STATE_DIR/schemathesis/venv, for the
+#                OpenAPI fuzz test
 #   --print-env  after `up`, print `export TERN_...=...` lines, e.g.
 #                  eval "$(scripts/services.sh --print-env)"
 #
@@ -371,6 +373,8 @@ usage() {
 Usage: scripts/services.sh [up|down] [--print-env]
   up           (default) install and start Postgres, Redis and SeaweedFS (S3) if needed
   down         stop the SeaweedFS server started by `up` (Postgres and Redis keep running)
+  browser      install headless Chromium, Node and playwright-core (dashboard test)
+  schemathesis install schemathesis into $TERN_STATE_DIR/schemathesis/venv (OpenAPI test)
   --print-env  after `up`, print the TERN_* export lines
 EOF
 }
@@ -398,11 +402,30 @@ ensure_browser() {
   fi
 }
 
+# ------------------------------------------------------------ schemathesis (OpenAPI test)
+
+readonly SCHEMATHESIS_VERSION=4.32.5
+
+ensure_schemathesis() {
+  local venv="$STATE_DIR/schemathesis/venv" log="$STATE_DIR/schemathesis/pip.log"
+  if [[ -x "$venv/bin/st" ]] && "$venv/bin/pip" show schemathesis 2>/dev/null | grep -qx "Version: $SCHEMATHESIS_VERSION"; then
+    return 0
+  fi
+  mkdir -p "$STATE_DIR/schemathesis"
+  python3 -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
+  [[ -x "$venv/bin/pip" ]] || python3 -m venv "$venv" >"$log" 2>&1 || die "python3 -m venv $venv failed (log: $log)"
+  log "installing schemathesis $SCHEMATHESIS_VERSION in $venv"
+  if ! "$venv/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION" >>"$log" 2>&1; then
+    tail -n 20 "$log" >&2
+    die "pip install schemathesis==$SCHEMATHESIS_VERSION failed (log: $log)"
+  fi
+}
+
 main() {
   local cmd=up want_env=0 arg
   for arg in "$@"; do
     case "$arg" in
-      up | down | browser) cmd="$arg" ;;
+      up | down | browser | schemathesis) cmd="$arg" ;;
       --print-env) want_env=1 ;;
       -h | --help)
         usage
@@ -438,6 +461,9 @@ main() {
       ;;
     browser)
       ensure_browser
+      ;;
+    schemathesis)
+      ensure_schemathesis
       ;;
   esac
 }

@@ -4,6 +4,7 @@
 mod auth;
 mod error;
 mod middleware;
+mod openapi;
 mod routes;
 mod state;
 mod submission;

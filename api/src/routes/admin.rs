@@ -5,6 +5,7 @@
 use super::jobs::{cancel_job, deliveries_of, job_view, list_page, parse_id, ListQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::openapi;
 use crate::state::AppState;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -39,7 +40,27 @@ pub fn check_key_request(tenant: &str, scopes: &[String]) -> Result<(), String> 
     Ok(())
 }
 
+/// Create an API key.
+///
 /// `POST /v1/admin/keys` `{tenant, scopes, name?}`: 201 with the key, shown this once.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/keys",
+    operation_id = "admin_create_key",
+    tag = "admin",
+    request_body(content = openapi::NewKey, description = "The tenant the key acts for, and its scopes."),
+    responses(
+        (status = 201, description = "The key with its secret, shown this once", body = openapi::CreatedKey),
+        (status = 400, description = "The body is not JSON: a plain-text answer from the JSON reader", body = String, content_type = "text/plain"),
+        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 422, description = "`invalid_key_request` (a bad tenant name, no scope or an unknown one); a body of the wrong shape gets a plain-text answer", content(
+            (openapi::Error = "application/json"),
+            (String = "text/plain"),
+        )),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn create_key(
     State(state): State<AppState>,
     caller: Caller,
@@ -54,13 +75,37 @@ pub async fn create_key(
     Ok((StatusCode::CREATED, Json(v)))
 }
 
+/// List API keys.
+///
 /// `GET /v1/admin/keys`: every key, without secrets.
+#[utoipa::path(
+    get,
+    path = "/v1/admin/keys",
+    operation_id = "admin_list_keys",
+    tag = "admin",
+    responses((status = 200, description = "Every key of every tenant, oldest first", body = openapi::KeyList)),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn list_keys(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     Ok(Json(json!({ "keys": state.keys.list().await? })))
 }
 
+/// Revoke an API key.
+///
 /// `POST /v1/admin/keys/{id or prefix}/revoke`: the key stops working at once.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/keys/{id}/revoke",
+    operation_id = "admin_revoke_key",
+    tag = "admin",
+    params(("id" = String, Path, description = "The key's id, or its prefix (`tern_` and 8 characters)")),
+    responses(
+        (status = 200, description = "Revoked (a revoked key stays revoked)", body = openapi::RevokedKey),
+        (status = 404, description = "`not_found`: no such key", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn revoke_key(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     if !state.keys.revoke(&id).await? {
@@ -75,9 +120,19 @@ fn path_kind(kind: &str) -> Result<JobKind, ApiError> {
         .map_err(|()| ApiError::new(StatusCode::NOT_FOUND, "unknown_kind", format!("unknown job kind {kind:?}")))
 }
 
+/// Every queue's counts.
+///
 /// `GET /v1/admin/queues`: every kind's counts per priority and state, the age of its oldest
 /// queued job, jobs finished in the last 1/5/15 minutes, whether it is paused, and the Redis
 /// depth (ready + delayed) next to Postgres's counts.
+#[utoipa::path(
+    get,
+    path = "/v1/admin/queues",
+    operation_id = "admin_list_queues",
+    tag = "admin",
+    responses((status = 200, description = "One entry per kind", body = openapi::QueueList)),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn queues(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let mut stats = state.store.queue_stats().await?;
@@ -91,7 +146,21 @@ pub async fn queues(State(state): State<AppState>, caller: Caller) -> Result<Jso
     Ok(Json(json!({ "queues": out })))
 }
 
+/// Pause a queue.
+///
 /// `POST /v1/admin/queues/{kind}/pause`: workers stop pulling the kind; submissions go on.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/queues/{kind}/pause",
+    operation_id = "admin_pause_queue",
+    tag = "admin",
+    params(("kind" = inline(openapi::JobKind), Path, description = "The queue's job kind")),
+    responses(
+        (status = 200, description = "Paused (again, if it already was)", body = openapi::QueuePaused),
+        (status = 404, description = "`unknown_kind`", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn pause(State(state): State<AppState>, caller: Caller, Path(kind): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = path_kind(&kind)?;
@@ -100,7 +169,21 @@ pub async fn pause(State(state): State<AppState>, caller: Caller, Path(kind): Pa
     Ok(Json(json!({ "kind": kind, "paused": true })))
 }
 
+/// Resume a queue.
+///
 /// `POST /v1/admin/queues/{kind}/resume`: workers pull the kind again.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/queues/{kind}/resume",
+    operation_id = "admin_resume_queue",
+    tag = "admin",
+    params(("kind" = inline(openapi::JobKind), Path, description = "The queue's job kind")),
+    responses(
+        (status = 200, description = "Resumed (or was not paused)", body = openapi::QueuePaused),
+        (status = 404, description = "`unknown_kind`", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn resume(State(state): State<AppState>, caller: Caller, Path(kind): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = path_kind(&kind)?;
@@ -114,8 +197,29 @@ pub struct PurgeQuery {
     confirm: Option<String>,
 }
 
+/// Cancel a queue's waiting jobs.
+///
 /// `POST /v1/admin/queues/{kind}/purge?confirm={kind}`: cancels up to 1,000 waiting jobs of
 /// the kind (running ones finish); without `confirm` naming the kind, 400 `confirm_required`.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/queues/{kind}/purge",
+    operation_id = "admin_purge_queue",
+    tag = "admin",
+    params(
+        ("kind" = inline(openapi::JobKind), Path, description = "The queue's job kind"),
+        ("confirm" = Option<String>, Query, description = "The kind again; anything else is refused with 400 `confirm_required`"),
+    ),
+    responses(
+        (status = 200, description = "Waiting jobs canceled; `more` when the 1,000 limit was reached", body = openapi::Purged),
+        (status = 400, description = "`confirm_required`; a query string that cannot be read at all gets a plain-text answer", content(
+            (openapi::Error = "application/json"),
+            (String = "text/plain"),
+        )),
+        (status = 404, description = "`unknown_kind`", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn purge(
     State(state): State<AppState>,
     caller: Caller,
@@ -145,8 +249,28 @@ pub struct RetryRequest {
     kind: Option<String>,
 }
 
+/// Retry failed jobs.
+///
 /// `POST /v1/admin/jobs/retry` `{ids: [...]}` or `{kind}`: failed jobs go back to the queue
 /// with one more attempt (at most 1,000 per call). 200 with the ids retried.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/jobs/retry",
+    operation_id = "admin_retry_jobs",
+    tag = "admin",
+    request_body(content = openapi::RetryRequest, description = "The failed jobs' ids, or a kind to retry its failed jobs."),
+    responses(
+        (status = 200, description = "The jobs queued again; ids of jobs that were not failed are skipped", body = openapi::Retried),
+        (status = 400, description = "`unknown_kind`, `nothing_to_retry`, `too_many_ids`; a body that is not JSON gets a plain-text answer", content(
+            (openapi::Error = "application/json"),
+            (String = "text/plain"),
+        )),
+        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 422, description = "A body of the wrong shape (an id that is not a UUID): a plain-text answer", body = String, content_type = "text/plain"),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn retry(State(state): State<AppState>, caller: Caller, Json(req): Json<RetryRequest>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = req
@@ -170,15 +294,52 @@ pub async fn retry(State(state): State<AppState>, caller: Caller, Json(req): Jso
     Ok(Json(json!({ "retried": jobs.iter().map(|j| j.id).collect::<Vec<_>>() })))
 }
 
+/// List the jobs of every tenant.
+///
 /// `GET /v1/admin/jobs?tenant=&state=&kind=&limit=&cursor=`: jobs of every tenant (or one).
+#[utoipa::path(
+    get,
+    path = "/v1/admin/jobs",
+    operation_id = "admin_list_jobs",
+    tag = "admin",
+    params(
+        ("tenant" = Option<String>, Query, description = "Only this tenant's jobs"),
+        ("state" = Option<openapi::JobState>, Query, description = "Only jobs in this state"),
+        ("kind" = Option<openapi::JobKind>, Query, description = "Only jobs of this kind"),
+        ("limit" = Option<i64>, Query, description = "Jobs per page, 1 to 500; default 50"),
+        ("cursor" = Option<uuid::Uuid>, Query, description = "The previous page's `next_cursor`"),
+    ),
+    responses(
+        (status = 200, description = "One page of jobs, newest first", body = openapi::JobList),
+        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`; a query string that cannot be read at all gets a plain-text answer", content(
+            (openapi::Error = "application/json"),
+            (String = "text/plain"),
+        )),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn jobs(State(state): State<AppState>, caller: Caller, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let tenant = q.tenant.clone();
     list_page(&state, &q, tenant).await
 }
 
+/// Get any tenant's job with its timeline.
+///
 /// `GET /v1/admin/jobs/{id}`: the job of any tenant with its whole timeline: events (attempts,
 /// workers, errors) and webhook deliveries.
+#[utoipa::path(
+    get,
+    path = "/v1/admin/jobs/{id}",
+    operation_id = "admin_get_job",
+    tag = "admin",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 200, description = "The job, its events and its webhook deliveries", body = openapi::AdminJob),
+        (status = 404, description = "`not_found`", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn job(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let id = parse_id(&id)?;
@@ -189,14 +350,45 @@ pub async fn job(State(state): State<AppState>, caller: Caller, Path(id): Path<S
     Ok(Json(v))
 }
 
+/// Cancel any tenant's job.
+///
 /// `POST /v1/admin/jobs/{id}/cancel`: as the tenant's cancel, for any tenant's job.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/jobs/{id}/cancel",
+    operation_id = "admin_cancel_job",
+    tag = "admin",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 200, description = "It was waiting: now `canceled`", body = openapi::Job),
+        (status = 202, description = "It runs: `cancel_requested`, its worker stops it within about a second", body = openapi::Job),
+        (status = 404, description = "`not_found`", body = openapi::Error),
+        (status = 409, description = "`job_finished`: it already succeeded, failed or was canceled", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
     caller.require("admin")?;
     cancel_job(&state, parse_id(&id)?).await
 }
 
+/// Delete a finished job.
+///
 /// `DELETE /v1/admin/jobs/{id}`: deletes a finished job with its timeline; 409 `job_not_finished`
 /// while it may still run.
+#[utoipa::path(
+    delete,
+    path = "/v1/admin/jobs/{id}",
+    operation_id = "admin_delete_job",
+    tag = "admin",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 204, description = "Deleted with its events and deliveries"),
+        (status = 404, description = "`not_found`", body = openapi::Error),
+        (status = 409, description = "`job_not_finished`: cancel it first", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     caller.require("admin")?;
     match state.store.delete_finished(parse_id(&id)?).await? {
@@ -206,9 +398,19 @@ pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Pat
     }
 }
 
+/// List workers.
+///
 /// `GET /v1/admin/workers`: every worker that reported in the last day, newest first, with
 /// `state`: `active`, `draining`, `stopped` (shut down cleanly) or `lost` (no report for a
 /// lease period: it died or lost its network; the reaper has returned its jobs by then).
+#[utoipa::path(
+    get,
+    path = "/v1/admin/workers",
+    operation_id = "admin_list_workers",
+    tag = "admin",
+    responses((status = 200, description = "The workers, newest first", body = openapi::WorkerList)),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn workers(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let lost_after_ms = state.queue.settings.lease.as_millis() as i64;
@@ -246,14 +448,42 @@ async fn set_draining(state: &AppState, id: &str, draining: bool) -> Result<Json
     Ok(Json(json!({ "id": id, "draining": draining })))
 }
 
+/// Drain a worker.
+///
 /// `POST /v1/admin/workers/{id}/drain`: the worker finishes its batch and pulls no more (it
 /// learns within about 2 s); it keeps running and reporting until stopped or undrained.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/workers/{id}/drain",
+    operation_id = "admin_drain_worker",
+    tag = "admin",
+    params(("id" = String, Path, description = "The worker's id")),
+    responses(
+        (status = 200, description = "Draining", body = openapi::Drained),
+        (status = 404, description = "`not_found`: no such worker", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn drain(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     set_draining(&state, &id, true).await
 }
 
+/// Undrain a worker.
+///
 /// `POST /v1/admin/workers/{id}/undrain`: the worker pulls again.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/workers/{id}/undrain",
+    operation_id = "admin_undrain_worker",
+    tag = "admin",
+    params(("id" = String, Path, description = "The worker's id")),
+    responses(
+        (status = 200, description = "Pulling again", body = openapi::Drained),
+        (status = 404, description = "`not_found`: no such worker", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn undrain(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     set_draining(&state, &id, false).await
@@ -270,9 +500,19 @@ fn memory_state(used: f64, budget: f64) -> &'static str {
     }
 }
 
+/// The service at a glance.
+///
 /// `GET /v1/admin/system`: the service at a glance: per live worker its memory state
 /// (`low`/`moderate`/`high`/`critical`: resident models against the memory budget), models
 /// cached and the optimisations in effect; queue totals over all kinds.
+#[utoipa::path(
+    get,
+    path = "/v1/admin/system",
+    operation_id = "admin_system",
+    tag = "admin",
+    responses((status = 200, description = "Live workers and queue totals", body = openapi::SystemView)),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn system(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let Json(listing) = workers(State(state.clone()), caller).await?;

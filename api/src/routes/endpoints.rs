@@ -3,6 +3,7 @@
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::openapi;
 use crate::state::AppState;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -42,7 +43,28 @@ fn db(e: sqlx::Error) -> ApiError {
     tern_jobs::Error::from(e).into()
 }
 
-/// `POST /v1/webhooks/endpoints` `{url, events?}`: 201 with the endpoint and its `secret`.
+/// Register a webhook endpoint.
+///
+/// `POST /v1/webhooks/endpoints` `{url, events?}`: 201 with the endpoint and its `secret`. The
+/// endpoint gets the events of all the tenant's jobs, at most 20 endpoints per tenant.
+#[utoipa::path(
+    post,
+    path = "/v1/webhooks/endpoints",
+    operation_id = "create_webhook_endpoint",
+    tag = "webhooks",
+    request_body(content = openapi::NewEndpoint, description = "Where to send events, and which."),
+    responses(
+        (status = 201, description = "The endpoint with its signing secret, shown this once", body = openapi::CreatedEndpoint),
+        (status = 400, description = "The body is not JSON: a plain-text answer from the JSON reader", body = String, content_type = "text/plain"),
+        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 422, description = "`invalid_webhook` (bad `events`, URL over 2,048 characters), `url_forbidden` (not http(s), or an internal address), `too_many_endpoints` (20 per tenant); a body of the wrong shape gets a plain-text answer", content(
+            (openapi::Error = "application/json"),
+            (String = "text/plain"),
+        )),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn create(State(state): State<AppState>, caller: Caller, Json(req): Json<NewEndpoint>) -> Result<(StatusCode, Json<Value>), ApiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
     if let Some(events) = &req.events {
@@ -81,7 +103,19 @@ pub async fn create(State(state): State<AppState>, caller: Caller, Json(req): Js
     Ok((StatusCode::CREATED, Json(json!({ "id": id, "url": req.url, "events": req.events, "secret": secret }))))
 }
 
+/// List the tenant's webhook endpoints.
+///
 /// `GET /v1/webhooks/endpoints`: the tenant's endpoints, without secrets.
+#[utoipa::path(
+    get,
+    path = "/v1/webhooks/endpoints",
+    operation_id = "list_webhook_endpoints",
+    tag = "webhooks",
+    responses(
+        (status = 200, description = "Every endpoint of the tenant, disabled ones included, oldest first", body = openapi::EndpointList),
+    ),
+    security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
+)]
 pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
     let tenant = &caller.require("jobs:read")?.tenant;
     let rows = sqlx::query(
@@ -107,8 +141,22 @@ pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<
     Ok(Json(json!({ "endpoints": endpoints })))
 }
 
+/// Rotate a webhook endpoint's secret.
+///
 /// `POST /v1/webhooks/endpoints/{id}/rotate`: a new secret signs from now on; the previous one
 /// keeps signing too (two signatures per delivery) until the next rotation. 200 with the new one.
+#[utoipa::path(
+    post,
+    path = "/v1/webhooks/endpoints/{id}/rotate",
+    operation_id = "rotate_webhook_endpoint_secret",
+    tag = "webhooks",
+    params(("id" = uuid::Uuid, Path, description = "The endpoint's id")),
+    responses(
+        (status = 200, description = "The new secret, shown this once", body = openapi::RotatedSecret),
+        (status = 404, description = "`not_found`: no such endpoint of this tenant", body = openapi::Error),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn rotate(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let tenant = &caller.require("jobs:write")?.tenant;
     let id = Uuid::parse_str(&id).map_err(|_| not_found())?;
@@ -128,7 +176,22 @@ pub async fn rotate(State(state): State<AppState>, caller: Caller, Path(id): Pat
     Ok(Json(json!({ "id": id, "secret": secret })))
 }
 
-/// `DELETE /v1/webhooks/endpoints/{id}`: the endpoint gets no more events. 204.
+/// Disable a webhook endpoint.
+///
+/// `DELETE /v1/webhooks/endpoints/{id}`: the endpoint gets no more events, and its pending
+/// deliveries are not sent. 204.
+#[utoipa::path(
+    delete,
+    path = "/v1/webhooks/endpoints/{id}",
+    operation_id = "delete_webhook_endpoint",
+    tag = "webhooks",
+    params(("id" = uuid::Uuid, Path, description = "The endpoint's id")),
+    responses(
+        (status = 204, description = "Disabled (again, if it already was)"),
+        (status = 404, description = "`not_found`: no such endpoint of this tenant", body = openapi::Error),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     let tenant = &caller.require("jobs:write")?.tenant;
     let id = Uuid::parse_str(&id).map_err(|_| not_found())?;

@@ -2,6 +2,7 @@
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::openapi;
 use crate::state::AppState;
 use crate::submission::{self, Submission};
 use axum::body::Bytes;
@@ -146,8 +147,34 @@ async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiErro
     Ok(Some(existing))
 }
 
+/// Submit a job.
+///
 /// `POST /v1/jobs`: 201 with the new job; 200 with the earlier job when an `Idempotency-Key`
 /// replays the same request.
+#[utoipa::path(
+    post,
+    path = "/v1/jobs",
+    operation_id = "submit_job",
+    tag = "jobs",
+    params(
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 ASCII characters. The same key with the same body returns the first request's job (200); with another body, 409 `idempotency_conflict`. Equivalent to the body's `idempotency_key`, which it may not contradict."),
+    ),
+    request_body(content = openapi::JobRequest, description = "The job: its kind, the kind's input, and options."),
+    responses(
+        (status = 201, description = "Accepted: the new job, `queued` (or `scheduled` with a future `run_at`)", body = openapi::Job),
+        (status = 200, description = "The idempotency key replayed the same request: the earlier job", body = openapi::Job),
+        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_request` (unknown field, bad option, header and body keys differ), `unknown_kind`, `invalid_priority`, `metadata_too_large`, `invalid_url`, `invalid_base64`, `upload_not_found`", body = openapi::Error),
+        (status = 409, description = "`idempotency_conflict`: the key was used for another request", body = openapi::Error),
+        (status = 413, description = "`body_too_large` (`TERN_MAX_BODY_BYTES`), `file_too_large` (base64 over 10 MiB), `audio_too_long` (`TERN_MAX_AUDIO_SECONDS`)", body = openapi::Error),
+        (status = 422, description = "`invalid_input` (the input fails its kind's schema), `invalid_webhook`, `webhooks_not_configured`, `url_forbidden`, `audio_unreadable`, `audio_empty`", body = openapi::Error),
+        (status = 429, description = "`rate_limited` (the key's request rate) or `tenant_queue_full` (`TERN_MAX_QUEUED_PER_TENANT`)", body = openapi::Error,
+            headers(("Retry-After" = u64, description = "Seconds to wait before trying again"))),
+        (status = 500, description = "`internal`: probing the audio's duration failed unexpectedly", body = openapi::Error),
+        (status = 503, description = "`queue_full` (`TERN_MAX_QUEUED` jobs of the kind wait), or a backing service did not answer (`database_unavailable`, `queue_unavailable`, `storage_unavailable`)", body = openapi::Error,
+            headers(("Retry-After" = u64, description = "Seconds to wait before trying again"))),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn submit(
     State(state): State<AppState>,
     caller: Caller,
@@ -176,8 +203,30 @@ pub async fn submit(
     }
 }
 
+/// Submit up to 1,000 jobs at once.
+///
 /// `POST /v1/jobs/batch` with `{"jobs": [...]}`: up to 1,000 jobs checked together and inserted
 /// in one transaction; any bad job refuses the whole batch, with the index of the first one.
+#[utoipa::path(
+    post,
+    path = "/v1/jobs/batch",
+    operation_id = "submit_jobs",
+    tag = "jobs",
+    request_body(content = openapi::BatchRequest, description = "1 to 1,000 jobs, each as `POST /v1/jobs` takes it (idempotency keys in the body)."),
+    responses(
+        (status = 201, description = "Every job of the batch in request order; a replayed request shows its earlier job", body = openapi::JobBatch),
+        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_request` (not `{\"jobs\": [...]}`), `batch_too_large` (0 or over 1,000 jobs), or a job's own error (its message starts `jobs[i]:`)", body = openapi::Error),
+        (status = 409, description = "`idempotency_conflict`: a job's key was used for another request", body = openapi::Error),
+        (status = 413, description = "`body_too_large`, `file_too_large`, `audio_too_long`", body = openapi::Error),
+        (status = 422, description = "A job's `invalid_input`, `invalid_webhook`, `webhooks_not_configured`, `url_forbidden`, `audio_unreadable`, `audio_empty`", body = openapi::Error),
+        (status = 429, description = "`rate_limited` or `tenant_queue_full`", body = openapi::Error,
+            headers(("Retry-After" = u64, description = "Seconds to wait before trying again"))),
+        (status = 500, description = "`internal`: probing an audio's duration failed unexpectedly", body = openapi::Error),
+        (status = 503, description = "`queue_full`, or a backing service did not answer", body = openapi::Error,
+            headers(("Retry-After" = u64, description = "Seconds to wait before trying again"))),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn submit_batch(
     State(state): State<AppState>,
     caller: Caller,
@@ -249,14 +298,43 @@ async fn own_job(state: &AppState, tenant: &str, id: Uuid) -> Result<Job, ApiErr
     state.store.get(id).await?.filter(|j| j.tenant == tenant).ok_or_else(ApiError::not_found)
 }
 
-/// `GET /v1/jobs/{id}`.
+/// Get a job.
+///
+/// `GET /v1/jobs/{id}`: its state, timings, attempts, error, `queue_position` while queued,
+/// `progress` while it runs, `output` with presigned URLs once it succeeded.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}",
+    operation_id = "get_job",
+    tag = "jobs",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 200, description = "The job", body = openapi::Job),
+        (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
+    ),
+    security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
+)]
 pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let tenant = &caller.require("jobs:read")?.tenant;
     let job = own_job(&state, tenant, parse_id(&id)?).await?;
     Ok(Json(job_view(&state, &job, true).await?))
 }
 
+/// A job's timeline.
+///
 /// `GET /v1/jobs/{id}/events`: the job's timeline, oldest first.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}/events",
+    operation_id = "job_events",
+    tag = "jobs",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 200, description = "Every state the job entered, when, on which worker", body = openapi::JobEvents),
+        (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
+    ),
+    security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
+)]
 pub async fn events(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let tenant = &caller.require("jobs:read")?.tenant;
     let id = parse_id(&id)?;
@@ -274,7 +352,29 @@ pub struct ListQuery {
     pub tenant: Option<String>,
 }
 
+/// List jobs.
+///
 /// `GET /v1/jobs?state=&kind=&limit=&cursor=`: newest first; `next_cursor` fetches the next page.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs",
+    operation_id = "list_jobs",
+    tag = "jobs",
+    params(
+        ("state" = Option<openapi::JobState>, Query, description = "Only jobs in this state"),
+        ("kind" = Option<openapi::JobKind>, Query, description = "Only jobs of this kind"),
+        ("limit" = Option<i64>, Query, description = "Jobs per page, 1 to 500; default 50"),
+        ("cursor" = Option<uuid::Uuid>, Query, description = "The previous page's `next_cursor`"),
+    ),
+    responses(
+        (status = 200, description = "One page of the tenant's jobs, newest first", body = openapi::JobList),
+        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`; a query string that cannot be read at all gets a plain-text answer", content(
+            (openapi::Error = "application/json"),
+            (String = "text/plain"),
+        )),
+    ),
+    security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
+)]
 pub async fn list(State(state): State<AppState>, caller: Caller, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
     let tenant = caller.require("jobs:read")?.tenant.clone();
     list_page(&state, &q, Some(tenant)).await
@@ -318,8 +418,24 @@ pub async fn list_page(state: &AppState, q: &ListQuery, tenant: Option<String>) 
     Ok(Json(json!({ "jobs": views(state, &jobs).await?, "next_cursor": next_cursor })))
 }
 
+/// Cancel a job.
+///
 /// `POST /v1/jobs/{id}/cancel`: 200 with the canceled job if it was waiting; 202 if it is
 /// running (its worker stops it at its next check, within about a second); 409 if it finished.
+#[utoipa::path(
+    post,
+    path = "/v1/jobs/{id}/cancel",
+    operation_id = "cancel_job",
+    tag = "jobs",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 200, description = "It was waiting: now `canceled`", body = openapi::Job),
+        (status = 202, description = "It runs: `cancel_requested`, its worker stops it within about a second", body = openapi::Job),
+        (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
+        (status = 409, description = "`job_finished`: it already succeeded, failed or was canceled", body = openapi::Error),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
     let tenant = &caller.require("jobs:write")?.tenant;
     let id = parse_id(&id)?;
@@ -347,8 +463,22 @@ pub async fn cancel_job(state: &AppState, id: Uuid) -> Result<Response, ApiError
     }
 }
 
+/// A job's webhook deliveries.
+///
 /// `GET /v1/jobs/{id}/deliveries`: the job's webhook deliveries, oldest first, each with its
 /// attempts (status, latency, error).
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}/deliveries",
+    operation_id = "job_deliveries",
+    tag = "webhooks",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 200, description = "The job's deliveries, to its own webhook and to the tenant's endpoints", body = openapi::DeliveryList),
+        (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
+    ),
+    security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
+)]
 pub async fn deliveries(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
     let tenant = &caller.require("jobs:read")?.tenant;
     let id = parse_id(&id)?;
@@ -376,8 +506,22 @@ pub async fn deliveries_of(state: &AppState, id: Uuid) -> Result<Vec<Value>, Api
     Ok(rows)
 }
 
+/// Send a webhook delivery again.
+///
 /// `POST /v1/deliveries/{delivery_id}/replay`: sends a delivery again (whatever became of it),
 /// with a fresh retry schedule. 202.
+#[utoipa::path(
+    post,
+    path = "/v1/deliveries/{id}/replay",
+    operation_id = "replay_delivery",
+    tag = "webhooks",
+    params(("id" = uuid::Uuid, Path, description = "The delivery's `delivery_id`")),
+    responses(
+        (status = 202, description = "Queued again with a fresh retry schedule", body = openapi::Replayed),
+        (status = 404, description = "`not_found`: no such delivery of this tenant's jobs", body = openapi::Error),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn replay(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response, ApiError> {
     let tenant = &caller.require("jobs:write")?.tenant;
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such delivery"))?;

@@ -10,7 +10,20 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
 
-/// Queue gauges from the store, then the rendered registry.
+/// Prometheus metrics.
+///
+/// Queue gauges from the store, then the rendered registry: requests by route and status with
+/// latency histograms, submissions by kind and priority, webhook attempts by outcome, queue
+/// gauges by kind, priority and state. No key needed.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    operation_id = "metrics",
+    tag = "health",
+    responses(
+        (status = 200, description = "Prometheus text format 0.0.4", body = String, content_type = "text/plain"),
+    ),
+)]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     match state.store.queue_stats().await {
         Ok(stats) => {

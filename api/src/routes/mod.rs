@@ -1,4 +1,9 @@
 //! The HTTP routes.
+//!
+//! The public API is registered with `utoipa_axum`'s `routes!`, which takes each handler's
+//! route from its `#[utoipa::path]` attribute along with its OpenAPI operation: the router and
+//! `GET /openapi.json` come from the same registrations, so neither can lack a route of the
+//! other. Handlers that share a path share one `routes!`.
 
 pub mod admin;
 pub mod dashboard;
@@ -10,49 +15,68 @@ pub mod models;
 pub mod uploads;
 
 use crate::error::ApiError;
+use crate::openapi;
 use crate::state::AppState;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::Router;
+use utoipa::OpenApi as _;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+/// Every route of the public API with its operation. Building it needs no state, so the
+/// document can be made without a server.
+fn api() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(health::healthz))
+        .routes(routes!(health::readyz))
+        .routes(routes!(metrics::metrics))
+        .routes(routes!(openapi::serve))
+        .routes(routes!(jobs::submit, jobs::list))
+        .routes(routes!(jobs::submit_batch))
+        .routes(routes!(jobs::get))
+        .routes(routes!(jobs::events))
+        .routes(routes!(jobs::cancel))
+        .routes(routes!(jobs::deliveries))
+        .routes(routes!(jobs::replay))
+        .routes(routes!(uploads::create))
+        .routes(routes!(endpoints::create, endpoints::list))
+        .routes(routes!(endpoints::delete))
+        .routes(routes!(endpoints::rotate))
+        .routes(routes!(admin::create_key, admin::list_keys))
+        .routes(routes!(admin::revoke_key))
+        .routes(routes!(admin::queues))
+        .routes(routes!(admin::pause))
+        .routes(routes!(admin::resume))
+        .routes(routes!(admin::purge))
+        .routes(routes!(admin::jobs))
+        .routes(routes!(admin::retry))
+        .routes(routes!(admin::job, admin::delete))
+        .routes(routes!(admin::cancel))
+        .routes(routes!(admin::workers))
+        .routes(routes!(admin::system))
+        .routes(routes!(admin::drain))
+        .routes(routes!(admin::undrain))
+        .routes(routes!(models::register, models::list))
+        .routes(routes!(models::rollback))
+}
 
 pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
     let max_body = state.limits.max_body_bytes;
-    Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
-        .route("/metrics", get(metrics::metrics))
+    let (documented, _) = api().split_for_parts();
+    documented
+        // The dashboard's static files are a page, not API: they stay out of the document.
         .route("/admin", get(dashboard::index))
         .route("/admin/app.js", get(dashboard::script))
         .route("/admin/app.css", get(dashboard::style))
-        .route("/v1/jobs", post(jobs::submit).get(jobs::list))
-        .route("/v1/jobs/batch", post(jobs::submit_batch))
-        .route("/v1/jobs/{id}", get(jobs::get))
-        .route("/v1/jobs/{id}/events", get(jobs::events))
-        .route("/v1/jobs/{id}/cancel", post(jobs::cancel))
-        .route("/v1/jobs/{id}/deliveries", get(jobs::deliveries))
-        .route("/v1/deliveries/{id}/replay", post(jobs::replay))
-        .route("/v1/uploads", post(uploads::create))
-        .route("/v1/webhooks/endpoints", post(endpoints::create).get(endpoints::list))
-        .route("/v1/webhooks/endpoints/{id}", axum::routing::delete(endpoints::delete))
-        .route("/v1/webhooks/endpoints/{id}/rotate", post(endpoints::rotate))
-        .route("/v1/admin/keys", post(admin::create_key).get(admin::list_keys))
-        .route("/v1/admin/keys/{id}/revoke", post(admin::revoke_key))
-        .route("/v1/admin/queues", get(admin::queues))
-        .route("/v1/admin/queues/{kind}/pause", post(admin::pause))
-        .route("/v1/admin/queues/{kind}/resume", post(admin::resume))
-        .route("/v1/admin/queues/{kind}/purge", post(admin::purge))
-        .route("/v1/admin/jobs", get(admin::jobs))
-        .route("/v1/admin/jobs/retry", post(admin::retry))
-        .route("/v1/admin/jobs/{id}", get(admin::job).delete(admin::delete))
-        .route("/v1/admin/jobs/{id}/cancel", post(admin::cancel))
-        .route("/v1/admin/workers", get(admin::workers))
-        .route("/v1/admin/system", get(admin::system))
-        .route("/v1/admin/workers/{id}/drain", post(admin::drain))
-        .route("/v1/admin/workers/{id}/undrain", post(admin::undrain))
-        .route("/v1/admin/models", post(models::register).get(models::list))
-        .route("/v1/admin/models/{kind}/rollback", post(models::rollback))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(std::sync::Arc::new(cors), crate::middleware::wrap))
         .with_state(state)
+}
+
+/// The OpenAPI document as utoipa builds it from the routes; [`openapi::document`] completes
+/// it for serving.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api().into_openapi()
 }

@@ -4,6 +4,7 @@
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::openapi;
 use crate::state::AppState;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -47,7 +48,27 @@ fn check_model_name(model: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Register a model version.
+///
 /// `POST /v1/admin/models` `{kind, model}`: 201 with the new candidate version.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/models",
+    operation_id = "admin_register_model_version",
+    tag = "admin",
+    request_body(content = openapi::NewModelVersion, description = "The kind and the model folder or hub id."),
+    responses(
+        (status = 201, description = "The kind's new candidate; workers load and health-check it in the background", body = openapi::ModelVersion),
+        (status = 400, description = "The body is not JSON: a plain-text answer from the JSON reader", body = String, content_type = "text/plain"),
+        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 422, description = "`invalid_kind` or `invalid_model`; a body of the wrong shape gets a plain-text answer", content(
+            (openapi::Error = "application/json"),
+            (String = "text/plain"),
+        )),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn register(
     State(state): State<AppState>,
     caller: Caller,
@@ -61,16 +82,41 @@ pub async fn register(
     Ok((StatusCode::CREATED, Json(serde_json::to_value(version).expect("versions serialise"))))
 }
 
+/// List model versions.
+///
 /// `GET /v1/admin/models`: every version, newest first, with each worker's swap state
 /// (loading, health_check, ready, active, deprecated, failed).
+#[utoipa::path(
+    get,
+    path = "/v1/admin/models",
+    operation_id = "admin_list_model_versions",
+    tag = "admin",
+    responses((status = 200, description = "Every version, newest first", body = openapi::ModelVersionList)),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn list(State(state): State<AppState>, caller: Caller) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     Ok(Json(json!({ "versions": state.store.model_versions().await? })))
 }
 
+/// Roll a kind back to its previous model version.
+///
 /// `POST /v1/admin/models/{kind}/rollback`: the previous version becomes active again (with
 /// none, the models the workers were started with); 409 `nothing_to_roll_back` without an
 /// active version.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/models/{kind}/rollback",
+    operation_id = "admin_rollback_model",
+    tag = "admin",
+    params(("kind" = openapi::ModelKind, Path, description = "The kind to roll back")),
+    responses(
+        (status = 200, description = "Rolled back", body = openapi::Rollback),
+        (status = 409, description = "`nothing_to_roll_back`: the kind has no active version", body = openapi::Error),
+        (status = 422, description = "`invalid_kind`", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
 pub async fn rollback(State(state): State<AppState>, caller: Caller, Path(kind): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = model_kind(&kind)?;

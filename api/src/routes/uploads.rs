@@ -2,6 +2,7 @@
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::openapi;
 use crate::state::AppState;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -10,9 +11,21 @@ use serde_json::{json, Value};
 use tern_jobs::file_ref::UPLOAD_PREFIX;
 use uuid::Uuid;
 
+/// Get a presigned URL to upload a file.
+///
 /// Returns `{upload_key, url, method, expires_at}`: PUT the file's bytes to `url`, then pass
 /// `{"upload_key": ...}` as the job's file. Keys live under the tenant's own prefix, so one
 /// tenant cannot name another's upload.
+#[utoipa::path(
+    post,
+    path = "/v1/uploads",
+    operation_id = "create_upload",
+    tag = "uploads",
+    responses(
+        (status = 201, description = "Where to PUT the file, and the key to name it by", body = openapi::Upload),
+    ),
+    security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
+)]
 pub async fn create(State(state): State<AppState>, caller: Caller) -> Result<(StatusCode, Json<Value>), ApiError> {
     let tenant = &caller.require("jobs:write")?.tenant;
     let key = format!("{UPLOAD_PREFIX}{}/{}", tenant_segment(tenant), Uuid::now_v7());

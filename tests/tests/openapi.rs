@@ -1,0 +1,89 @@
+//! `/openapi.json` describes the routes the API serves (the router and the document are built
+//! from the same registrations; this checks each documented operation is really routed), and
+//! schemathesis (PyPI), fuzzing every operation from the document, finds no 5xx and no response
+//! that breaks its schema.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+use tern_e2e::{bin_dir, Cluster};
+
+async fn document(cluster: &Cluster) -> Value {
+    // No key: the document is public.
+    let response = reqwest::get(cluster.url("/openapi.json")).await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
+}
+
+#[tokio::test]
+async fn every_documented_operation_is_routed_and_every_v1_operation_needs_a_key() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let doc = document(&cluster).await;
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"), "{}", doc["openapi"]);
+    for kind in ["Echo", "Transcribe", "Embed", "Generate"] {
+        for side in ["Input", "Output"] {
+            assert!(doc["components"]["schemas"][format!("{kind}{side}")].is_object(), "{kind}{side} schema missing");
+        }
+    }
+    let mut operations = 0;
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let Ok(method) = method.to_uppercase().parse::<reqwest::Method>() else { continue };
+            if !["GET", "POST", "PUT", "PATCH", "DELETE"].contains(&method.as_str()) {
+                continue;
+            }
+            operations += 1;
+            if path.starts_with("/v1/") {
+                assert!(op["security"].as_array().is_some_and(|s| !s.is_empty()), "{method} {path} has no security");
+            }
+            // Any id or kind: the route must answer as itself, not as the router's fallback.
+            let url = path.replace("{kind}", "embed").replace("{id}", "0190f0f0-0000-7000-8000-000000000000");
+            let response = cluster.http.request(method.clone(), cluster.url(&url)).send().await.unwrap();
+            let status = response.status().as_u16();
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            assert_ne!(status, 405, "{method} {path} is documented but not routed");
+            assert!(
+                !(status == 404 && body["error"]["message"] == "no such route"),
+                "{method} {path} is documented but not routed: {body}"
+            );
+            assert!(status < 500, "{method} {path} answered {status}: {body}");
+        }
+    }
+    assert!(operations >= 35, "only {operations} operations documented");
+}
+
+/// The schemathesis CLI: `TERN_SCHEMATHESIS`, else where `scripts/services.sh schemathesis`
+/// installs it.
+fn schemathesis() -> PathBuf {
+    if let Some(path) = std::env::var_os("TERN_SCHEMATHESIS") {
+        return path.into();
+    }
+    let state = std::env::var_os("TERN_STATE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/tern"));
+    state.join("schemathesis/venv/bin/st")
+}
+
+#[tokio::test]
+async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_schema() {
+    let st = schemathesis();
+    assert!(st.exists(), "{} is missing: run scripts/services.sh schemathesis", st.display());
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let report = bin_dir().join("tern-test-logs").join(format!("schemathesis-{}", cluster.name));
+    let output = Command::new(&st)
+        .arg("run")
+        .arg(cluster.url("/openapi.json"))
+        .args(["--header", &format!("Authorization: Bearer {}", cluster.api_key)])
+        .args(["--checks", "not_a_server_error,response_schema_conformance,content_type_conformance"])
+        .args(["--max-examples", "30", "--seed", "7", "--workers", "2"])
+        .args(["--phases", "examples,coverage,fuzzing"])
+        // Revoking keys is fuzzed too, and the run's own key can be among those it finds.
+        .args(["--exclude-operation-id", "admin_revoke_key"])
+        .args(["--generation-database", "none", "--request-timeout", "30", "--no-color", "--report", "junit", "--report-dir"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    println!("{text}");
+    assert!(output.status.success(), "schemathesis found problems (report in {}):\n{text}", report.display());
+}
