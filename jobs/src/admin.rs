@@ -1,5 +1,6 @@
 //! What operators see and steer: per-queue counts and throughput, retrying failed jobs,
-//! purging a queue and deleting finished jobs. Pausing a kind lives in [`crate::Queue`].
+//! purging a queue and deleting finished jobs. A paused kind is recorded here and flagged in
+//! Redis ([`crate::Queue::pause`]), where workers read it.
 
 use crate::store::{job_from_row, prefixed_columns};
 use crate::{Job, JobKind, Result, Store};
@@ -194,5 +195,24 @@ impl Store {
         .await?;
         let (found, deleted): (i64, i64) = (row.try_get("found")?, row.try_get("deleted")?);
         Ok((found > 0).then_some(deleted > 0))
+    }
+}
+
+impl Store {
+    /// Records that `kind` is paused (or no longer is).
+    pub async fn set_paused(&self, kind: JobKind, paused: bool) -> Result<()> {
+        let sql = if paused {
+            "INSERT INTO paused_kinds (kind) VALUES ($1) ON CONFLICT DO NOTHING"
+        } else {
+            "DELETE FROM paused_kinds WHERE kind = $1"
+        };
+        sqlx::query(sql).bind(kind.as_str()).execute(self.pool()).await?;
+        Ok(())
+    }
+
+    /// The kinds paused now.
+    pub async fn paused_kinds(&self) -> Result<Vec<JobKind>> {
+        let kinds: Vec<String> = sqlx::query_scalar("SELECT kind FROM paused_kinds").fetch_all(self.pool()).await?;
+        Ok(kinds.iter().filter_map(|k| k.parse().ok()).collect())
     }
 }

@@ -11,6 +11,8 @@
 //! changed within the last `grace` are skipped (the API may be about to enqueue them); when it
 //! is missing, every unfinished job is checked at once and the marker is set afterwards.
 //! With several API replicas, a Redis lock lets one of them sweep per round.
+//!
+//! Each round also sets the Redis pause flags to the paused kinds Postgres records.
 
 use crate::queue::Enqueue;
 use crate::{JobKind, JobState, Queue, Result, Store};
@@ -37,6 +39,18 @@ pub struct Reconciler {
 impl Reconciler {
     /// One sweep; returns how many jobs were restored.
     pub async fn run_once(&self) -> Result<u64> {
+        let paused = self.store.paused_kinds().await?;
+        for &kind in JobKind::ALL {
+            let want = paused.contains(&kind);
+            if want != self.queue.is_paused(kind).await? {
+                tracing::info!(%kind, paused = want, "pause flag restored from Postgres");
+                if want {
+                    self.queue.pause(kind).await?;
+                } else {
+                    self.queue.resume(kind).await?;
+                }
+            }
+        }
         let epoch = self.queue.epoch().await?;
         let settled_before =
             epoch.as_ref().map(|_| Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default());

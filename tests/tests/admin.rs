@@ -11,7 +11,7 @@ fn queue<'a>(body: &'a Value, kind: &str) -> &'a Value {
 
 #[tokio::test]
 async fn a_paused_kind_keeps_accepting_jobs_that_no_worker_pulls_until_it_is_resumed() {
-    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let mut cluster = Cluster::start(&[("TERN_RECONCILE_INTERVAL_MS", "500")]).await.unwrap();
     let (status, body) = cluster.post("/v1/admin/queues/echo/pause", &json!({})).await.unwrap();
     assert_eq!(status, 200, "{body}");
     let _worker = cluster.spawn_worker(&[]).unwrap();
@@ -32,6 +32,23 @@ async fn a_paused_kind_keeps_accepting_jobs_that_no_worker_pulls_until_it_is_res
     for id in &ids {
         assert_eq!(cluster.state_of(*id).await.unwrap(), "queued");
     }
+
+    // Redis loses this deployment's data: the reconciler restores the jobs and the pause.
+    let mut redis = cluster.redis().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}:*", cluster.redis_prefix)).query_async(&mut redis).await.unwrap();
+    assert!(!keys.is_empty());
+    let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut redis).await.unwrap();
+    cluster
+        .wait_until("the reconciler restores the queue", Duration::from_secs(20), || async {
+            let (_, body) = cluster.get("/v1/admin/queues").await?;
+            Ok(queue(&body, "echo")["redis_depth"] == 20)
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (_, body) = cluster.get("/v1/admin/queues").await.unwrap();
+    let echo = queue(&body, "echo");
+    assert_eq!((echo["paused"].as_bool(), echo["total"]["queued"].as_i64()), (Some(true), Some(20)), "still paused: {echo}");
 
     let (status, _) = cluster.post("/v1/admin/queues/echo/resume", &json!({})).await.unwrap();
     assert_eq!(status, 200);

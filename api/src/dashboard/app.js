@@ -81,31 +81,60 @@ function renderQueues(queues) {
     tr.append(actions);
     body.append(tr);
   }
+  const sum = (f) => queues.reduce((n, q) => n + f(q), 0);
   history.push({
-    queued: queues.reduce((n, q) => n + q.total.queued, 0),
-    running: queues.reduce((n, q) => n + q.total.running, 0),
+    queued: sum((q) => q.total.queued),
+    running: sum((q) => q.total.running),
+    // Jobs finished in the minute before each sample: throughput per minute.
+    succeeded: sum((q) => q.succeeded.last_1m),
+    failed: sum((q) => q.failed.last_1m),
   });
   while (history.length > HISTORY) history.shift();
-  drawChart();
+  drawChart("#depth-chart", [["queued", "#1f6feb"], ["running", "#2da44e"]]);
+  drawChart("#throughput-chart", [["succeeded", "#2da44e"], ["failed", "#cf222e"]], "per minute");
 }
 
-function drawChart() {
-  const canvas = $("#depth-chart");
+/// Draws `series` ([field, colour]) of the sampled history on the canvas `id`.
+function drawChart(id, series, unit) {
+  const canvas = $(id);
   const ctx = canvas.getContext("2d");
   const { width, height } = canvas;
   ctx.clearRect(0, 0, width, height);
-  const max = Math.max(1, ...history.map((h) => Math.max(h.queued, h.running)));
+  const max = Math.max(1, ...history.map((h) => Math.max(...series.map(([f]) => h[f]))));
   const x = (i) => (i / (HISTORY - 1)) * width;
   const y = (v) => height - 4 - (v / max) * (height - 20);
-  for (const [series, color] of [["queued", "#1f6feb"], ["running", "#2da44e"]]) {
+  for (const [field, color] of series) {
     ctx.strokeStyle = color;
     ctx.lineWidth = 2;
     ctx.beginPath();
-    history.forEach((h, i) => (i ? ctx.lineTo(x(i), y(h[series])) : ctx.moveTo(x(i), y(h[series]))));
+    history.forEach((h, i) => (i ? ctx.lineTo(x(i), y(h[field])) : ctx.moveTo(x(i), y(h[field]))));
     ctx.stroke();
   }
   ctx.fillStyle = "#57606a";
-  ctx.fillText(`max ${max}   blue: queued   green: running`, 8, 12);
+  const last = history[history.length - 1] || {};
+  const legend = series.map(([f, c]) => `${f} ${last[f] ?? 0}`).join("   ");
+  ctx.fillText(`max ${max}${unit ? " " + unit : ""}   now: ${legend}`, 8, 12);
+}
+
+function renderModels(versions) {
+  const body = $("#models tbody");
+  body.replaceChildren();
+  const kinds = new Set();
+  for (const v of versions.slice(0, 20)) {
+    const tr = document.createElement("tr");
+    tr.dataset.version = v.id;
+    tr.append(cell(v.kind));
+    tr.append(cell(v.model));
+    tr.append(cell(v.state + (v.error ? `: ${v.error}` : ""), v.state === "failed" ? "error" : ""));
+    tr.append(cell(v.workers.map((w) => `${w.worker_id} ${w.state}`).join(", ") || "-"));
+    const actions = document.createElement("td");
+    if (v.state === "active" && !kinds.has(v.kind)) {
+      kinds.add(v.kind);
+      actions.append(button("Roll back", () => api("POST", `/v1/admin/models/${v.kind}/rollback`)));
+    }
+    tr.append(actions);
+    body.append(tr);
+  }
 }
 
 function renderWorkers(workers) {
@@ -151,14 +180,16 @@ function renderFailed(jobs) {
 
 async function refresh() {
   try {
-    const [queues, workers, failed] = await Promise.all([
+    const [queues, workers, failed, models] = await Promise.all([
       api("GET", "/v1/admin/queues"),
       api("GET", "/v1/admin/workers"),
       api("GET", "/v1/admin/jobs?state=failed&limit=50"),
+      api("GET", "/v1/admin/models"),
     ]);
     renderQueues(queues.queues);
     renderWorkers(workers.workers);
     renderFailed(failed.jobs);
+    renderModels(models.versions);
     $("#status").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (e) {
     if (e.status === 401 || e.status === 403) return signOut(e.message);
