@@ -99,8 +99,10 @@ async fn main() -> Result<()> {
     for budget in &args.budgets {
         let mut cluster = Cluster::start(&[("TERN_LOG", "warn")]).await?;
         let budget_s = budget.to_string();
+        // TERN_BENCH_WORKER_LOG=info shows each model batch in the worker's log.
+        let worker_log = std::env::var("TERN_BENCH_WORKER_LOG").unwrap_or_else(|_| "warn".into());
         let _worker = cluster.spawn_worker(&[
-            ("TERN_LOG", "warn"),
+            ("TERN_LOG", &worker_log),
             ("TERN_TRANSCRIBE_BATCH_WINDOWS", &budget_s),
             ("TERN_WORKER_KINDS", "transcribe"),
             ("TERN_WHISPER_MODEL", &args.model),
