@@ -557,5 +557,16 @@ mod tests {
             tern_jobs::job::WEBHOOK_EVENTS.iter().copied().filter(|e| *e != "job.progress").collect();
         assert_eq!(enumeration(&doc, "EndpointEvent"), strings(endpoint_events.as_slice()));
         assert_eq!(enumeration(&doc, "Scope"), strings(tern_jobs::api_keys::SCOPES));
+        use tern_jobs::model_versions::{has_model, SwapState, VersionState};
+        let serialised = |v: serde_json::Value| v.as_str().unwrap().to_string();
+        assert_eq!(
+            enumeration(&doc, "ModelVersionState"),
+            VersionState::ALL.iter().map(|s| serialised(json!(s))).collect::<Vec<_>>()
+        );
+        assert_eq!(enumeration(&doc, "WorkerSwapState"), SwapState::ALL.iter().map(|s| s.as_str().to_string()).collect::<Vec<_>>());
+        assert_eq!(
+            enumeration(&doc, "ModelKind"),
+            Kind::ALL.iter().filter(|k| has_model(**k)).map(|k| k.as_str().to_string()).collect::<Vec<_>>()
+        );
     }
 }

@@ -27,6 +27,9 @@ pub enum VersionState {
 }
 
 impl VersionState {
+    pub const ALL: [VersionState; 5] =
+        [VersionState::Candidate, VersionState::Active, VersionState::Previous, VersionState::Retired, VersionState::Failed];
+
     fn parse(s: &str) -> VersionState {
         match s {
             "candidate" => VersionState::Candidate,
@@ -53,6 +56,15 @@ pub enum SwapState {
 }
 
 impl SwapState {
+    pub const ALL: [SwapState; 6] = [
+        SwapState::Loading,
+        SwapState::HealthCheck,
+        SwapState::Ready,
+        SwapState::Active,
+        SwapState::Deprecated,
+        SwapState::Failed,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             SwapState::Loading => "loading",
