@@ -16,7 +16,6 @@ mod stop;
 use anyhow::Context;
 use clap::Parser;
 use runner::{Runner, RunnerSettings};
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tern_jobs::config::ServiceArgs;
@@ -180,14 +179,19 @@ async fn main() -> anyhow::Result<()> {
     let objects = ObjectStore::new(&cli.services.s3.settings());
     objects.ensure_bucket().await.context("reaching the S3 bucket")?;
 
-    let defaults: HashMap<JobKind, String> = [
-        (JobKind::Transcribe, cli.whisper_model.clone()),
-        (JobKind::Embed, cli.embed_model.clone()),
-        (JobKind::Generate, cli.llm_model.clone()),
-    ]
-    .into();
+    let defaults = engine::ModelNames {
+        whisper: cli.whisper_model.clone(),
+        embedder: cli.embed_model.clone(),
+        llm: cli.llm_model.clone(),
+    };
+    // A worker starting after a swap runs the active versions from its first job.
     let active = model_swap::active_at_start(&store, &kinds).await;
-    let model = |kind: JobKind| active.get(&kind).map_or_else(|| defaults[&kind].clone(), |t| t.model.clone());
+    let mut names = defaults.clone();
+    for (kind, target) in &active {
+        if let Some(family) = engine::cache::Family::of_kind(*kind) {
+            names.replace(family, target.model.clone());
+        }
+    }
     let registry = Arc::new(registry::Registry {
         store: store.clone(),
         worker_id: worker_id.clone(),
@@ -232,11 +236,7 @@ async fn main() -> anyhow::Result<()> {
             Arc::new(engine::Engine::start(
                 expand_home(&cli.models_dir),
                 cli.device.clone(),
-                engine::ModelNames {
-                    whisper: model(JobKind::Transcribe),
-                    embedder: model(JobKind::Embed),
-                    llm: model(JobKind::Generate),
-                },
+                names,
                 budget,
                 engine::BatchLimits {
                     windows: cli.transcribe_batch_windows.map(|n| n.max(1)),
@@ -262,7 +262,7 @@ async fn main() -> anyhow::Result<()> {
             store: runner.store.clone(),
             engine: engine.clone(),
             worker_id: worker_id.clone(),
-            kinds: kinds.iter().copied().filter(|k| model_swap::family_of(*k).is_some()).collect(),
+            kinds: kinds.iter().copied().filter(|k| engine::cache::Family::of_kind(*k).is_some()).collect(),
             current: kinds.iter().map(|k| (*k, active.get(k).map(|t| t.version))).collect(),
             defaults,
             failed: Default::default(),

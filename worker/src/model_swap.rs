@@ -6,7 +6,7 @@
 //! first out when memory is short), so a rollback to it is instant.
 
 use crate::engine::cache::Family;
-use crate::engine::{health, Engine};
+use crate::engine::{health, Engine, ModelNames};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -16,23 +16,13 @@ use tern_jobs::{JobKind, Store};
 use tokio::sync::watch;
 use uuid::Uuid;
 
-/// The model family a kind runs, if any.
-pub fn family_of(kind: JobKind) -> Option<Family> {
-    match kind {
-        JobKind::Transcribe => Some(Family::Whisper),
-        JobKind::Embed => Some(Family::Embedder),
-        JobKind::Generate => Some(Family::Llm),
-        JobKind::Echo => None,
-    }
-}
-
 pub struct Swapper {
     pub store: Store,
     pub engine: Arc<Engine>,
     pub worker_id: String,
     pub kinds: Vec<JobKind>,
     /// The models the worker was started with: what a kind runs with no active version.
-    pub defaults: HashMap<JobKind, String>,
+    pub defaults: ModelNames,
     /// The version each kind runs now (`None`: its default).
     pub current: HashMap<JobKind, Option<Uuid>>,
     /// Versions that failed here: not tried again.
@@ -43,7 +33,7 @@ pub struct Swapper {
 /// swapped-in model from its first job.
 pub async fn active_at_start(store: &Store, kinds: &[JobKind]) -> HashMap<JobKind, Target> {
     let mut active = HashMap::new();
-    for kind in kinds.iter().copied().filter(|k| family_of(*k).is_some()) {
+    for kind in kinds.iter().copied().filter(|k| Family::of_kind(*k).is_some()) {
         match store.active_model(kind).await {
             Ok(Some(t)) => {
                 active.insert(kind, t);
@@ -92,11 +82,11 @@ impl Swapper {
     }
 
     async fn step(&mut self, kind: JobKind) -> tern_jobs::Result<()> {
-        let Some(family) = family_of(kind) else { return Ok(()) };
+        let Some(family) = Family::of_kind(kind) else { return Ok(()) };
         let target = self.store.model_target(kind).await?;
         let (version, name, candidate) = match target {
             Some(t) => (Some(t.version), t.model, t.candidate),
-            None => (None, self.defaults[&kind].clone(), false),
+            None => (None, self.defaults.of(family).to_string(), false),
         };
         let current = self.current.get(&kind).copied().flatten();
         if version == current && self.engine.model_of(family) == name {

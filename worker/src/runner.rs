@@ -99,13 +99,7 @@ impl Runner {
     }
 
     fn batch_budget(&self, kind: JobKind) -> i64 {
-        let family = match kind {
-            JobKind::Echo => None,
-            JobKind::Transcribe => Some(Family::Whisper),
-            JobKind::Embed => Some(Family::Embedder),
-            JobKind::Generate => Some(Family::Llm),
-        };
-        match (family, &self.engine) {
+        match (Family::of_kind(kind), &self.engine) {
             (Some(f), Some(engine)) => engine.batch_budget(f),
             _ => self.settings.batch_budget,
         }

@@ -24,6 +24,19 @@ pub enum Family {
     Llm,
 }
 
+impl Family {
+    /// The family a job kind runs; `None` for kinds without a model (echo).
+    pub fn of_kind(kind: tern_jobs::JobKind) -> Option<Family> {
+        use tern_jobs::JobKind;
+        match kind {
+            JobKind::Echo => None,
+            JobKind::Transcribe => Some(Family::Whisper),
+            JobKind::Embed => Some(Family::Embedder),
+            JobKind::Generate => Some(Family::Llm),
+        }
+    }
+}
+
 pub enum Model {
     Whisper(Whisper),
     Embedder(Embedder),

@@ -34,13 +34,20 @@ impl ModelNames {
         }
     }
 
-    fn set(&mut self, family: Family, name: String) {
-        match family {
-            Family::Whisper => self.whisper = name,
-            Family::Embedder => self.embedder = name,
-            Family::Llm => self.llm = name,
-        }
+    /// Sets `family`'s model; returns the one it replaced.
+    pub fn replace(&mut self, family: Family, name: String) -> String {
+        let slot = match family {
+            Family::Whisper => &mut self.whisper,
+            Family::Embedder => &mut self.embedder,
+            Family::Llm => &mut self.llm,
+        };
+        std::mem::replace(slot, name)
     }
+}
+
+/// The model serving `family` now.
+fn current(names: &Mutex<ModelNames>, family: Family) -> String {
+    names.lock().expect("not poisoned").of(family).to_string()
 }
 
 /// A result and the model that produced it.
@@ -212,7 +219,7 @@ impl Engine {
 
     /// The model serving `family` now.
     pub fn model_of(&self, family: Family) -> String {
-        self.names.lock().expect("not poisoned").of(family).to_string()
+        current(&self.names, family)
     }
 
     /// The memory budget of the resident models, bytes.
@@ -236,10 +243,7 @@ impl Engine {
     /// Switches `family` to the resident or loadable model `name` without a background load
     /// (a rollback to a model still in memory); returns the name it replaced.
     pub fn switch(&self, family: Family, name: String) -> String {
-        let mut names = self.names.lock().expect("not poisoned");
-        let old = names.of(family).to_string();
-        names.set(family, name);
-        old
+        self.names.lock().expect("not poisoned").replace(family, name)
     }
 
     /// The cost budget for one pulled batch of `family`'s jobs: windows for transcription,
@@ -356,18 +360,13 @@ impl Thread {
 
     fn install(&mut self, family: Family, name: String, loaded: Loaded, reply: oneshot::Sender<String>) {
         self.cache.install(&name, loaded);
-        let old = {
-            let mut names = self.names.lock().expect("not poisoned");
-            let old = names.of(family).to_string();
-            names.set(family, name.clone());
-            old
-        };
+        let old = self.names.lock().expect("not poisoned").replace(family, name.clone());
         tracing::info!(?family, model = %name, replaced = %old, "model swapped in between batches");
         let _ = reply.send(old);
     }
 
     fn name_of(&self, family: Family) -> String {
-        self.names.lock().expect("not poisoned").of(family).to_string()
+        current(&self.names, family)
     }
 
     /// Publishes the batch size the memory left in the budget allows.
