@@ -5,6 +5,7 @@
 //! - [`embed`]: sentence embeddings with BERT-family encoders (all-MiniLM-L6-v2).
 //! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template.
 //! - [`wer`]: word error rate, to check transcripts against references.
+//! - [`precision`]: Whisper's precision: F32 on the CPU, F16 (or BF16) on GPUs.
 //!
 //! Everything runs on the CPU by default (pass another candle `Device` to
 //! [`whisper::Whisper::load_ct2`] to change that); no network access is needed at run time.
@@ -12,5 +13,6 @@
 pub mod audio;
 pub mod embed;
 pub mod generate;
+pub mod precision;
 pub mod wer;
 pub mod whisper;

@@ -229,3 +229,21 @@ fn padding_parses_full_or_a_margin_of_at_least_half_a_second() {
     assert!("0".parse::<Padding>().is_err());
     assert!("soon".parse::<Padding>().is_err());
 }
+
+/// The half-precision path GPUs take by default (`Precision::Auto` is F16 there), run on the
+/// CPU so CI, which has no GPU, checks that every tensor follows the model's dtype.
+#[test]
+fn half_precision_transcribes_like_f32() {
+    use tern_models::precision::Precision;
+    let Some(dir) = models_dir() else { return };
+    let (id, reference) = references(&dir).into_iter().next().expect("a clip");
+    let pcm = clip_pcm(&dir, &id);
+    let mut whisper = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, Precision::F16).expect("load tiny.en in F16");
+    assert_eq!(whisper.weights_bytes() * 2, load(&dir).weights_bytes(), "F16 holds half the bytes of F32");
+    whisper.warmup(2).expect("warmup in F16");
+    let tr = whisper.transcribe(&pcm, &TranscribeOptions::default(), &mut |_, _| {}).unwrap();
+    let r = words(&reference);
+    let wer = word_errors(&r, &words(&tr.text)) as f64 / r.len() as f64;
+    eprintln!("F16: {:?} (WER {:.1}%)", tr.text, 100.0 * wer);
+    assert!(wer <= 0.15, "F16 transcript {:?} against {reference:?}: WER {wer}", tr.text);
+}

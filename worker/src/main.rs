@@ -48,10 +48,15 @@ struct Cli {
     #[arg(long, env = "TERN_MEMORY_BUDGET", value_parser = resources::parse_bytes)]
     memory_budget: Option<u64>,
     /// Device the models run on: `cpu`, `cuda[:N]` or `metal[:N]` (GPU devices need the worker
-    /// built with the `cuda` or `metal` cargo feature). On a GPU, set TERN_MEMORY_BUDGET to the
-    /// VRAM tern may use: the default is derived from system RAM.
+    /// built with the `cuda` or `metal` cargo feature). On CUDA the default memory budget is the
+    /// device's free memory minus 1 GiB; on Metal set TERN_MEMORY_BUDGET (the default is derived
+    /// from system RAM).
     #[arg(long, env = "TERN_DEVICE", default_value = "cpu", value_parser = resources::parse_device)]
     device: candle_core::Device,
+    /// Precision of Whisper: `auto` (F32 on the CPU, F16 on a GPU), `f32`, `f16` or `bf16`.
+    /// The embedder computes in F32 and the language model keeps its GGUF quantisation.
+    #[arg(long, env = "TERN_PRECISION", default_value = "auto")]
+    precision: tern_models::precision::Precision,
     /// Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory budget
     /// and the memory per window measured at warmup, at most 16.
     #[arg(long, env = "TERN_TRANSCRIBE_BATCH_WINDOWS")]
@@ -231,11 +236,12 @@ async fn main() -> anyhow::Result<()> {
         uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
         registry: registry.clone(),
         engine: kinds.iter().any(|k| *k != JobKind::Echo).then(|| {
-            let budget = cli.memory_budget.unwrap_or_else(resources::default_budget);
-            tracing::info!(memory_budget = budget, device = ?cli.device, "models run here");
+            let budget = cli.memory_budget.unwrap_or_else(|| resources::default_budget(&cli.device));
+            tracing::info!(memory_budget = budget, device = ?cli.device, precision = %cli.precision, "models run here");
             Arc::new(engine::Engine::start(
                 expand_home(&cli.models_dir),
                 cli.device.clone(),
+                cli.precision,
                 names,
                 budget,
                 engine::BatchLimits {

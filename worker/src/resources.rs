@@ -26,8 +26,28 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((number * factor as f64) as u64)
 }
 
+/// The memory budget when none is configured: on a CUDA device its free memory minus
+/// [`HEADROOM`]; otherwise (CPU, Metal's unified memory) MemAvailable minus [`HEADROOM`]. At
+/// least [`MIN_BUDGET`]; 4 GiB where neither can be read.
+pub fn default_budget(device: &candle_core::Device) -> u64 {
+    match device_free_bytes(device) {
+        Some(free) => free.saturating_sub(HEADROOM).max(MIN_BUDGET),
+        None => ram_budget(),
+    }
+}
+
+/// Free memory of a CUDA device; `None` for other devices.
+fn device_free_bytes(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cuda) = device {
+        return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, _total)| free as u64);
+    }
+    let _ = device;
+    None
+}
+
 /// MemAvailable minus [`HEADROOM`], at least [`MIN_BUDGET`]; 4 GiB where /proc/meminfo is missing.
-pub fn default_budget() -> u64 {
+fn ram_budget() -> u64 {
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
         line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)

@@ -233,7 +233,7 @@ impl Decoder {
                     .iter()
                     .flat_map(|&f| (0..total).map(move |j| if j < f { 0.0 } else { f32::NEG_INFINITY }))
                     .collect();
-                Some(Tensor::from_vec(m, (b, 1, 1, total), audio_features.device())?)
+                Some(Tensor::from_vec(m, (b, 1, 1, total), audio_features.device())?.to_dtype(audio_features.dtype())?)
             }
             _ => None,
         };
@@ -287,7 +287,7 @@ impl Decoder {
                     })
                 })
                 .collect();
-            Some(Tensor::from_vec(m, (t, total), device)?)
+            Some(Tensor::from_vec(m, (t, total), device)?.to_dtype(x.dtype())?)
         } else {
             None
         };

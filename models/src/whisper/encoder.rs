@@ -228,7 +228,7 @@ impl Encoder {
         Ok(Encoder {
             conv1: conv1d(cfg.num_mel_bins, d, 1, vb.pp("conv1"))?,
             conv2: conv1d(d, d, 2, vb.pp("conv2"))?,
-            positions: sinusoids(cfg.max_source_positions, d, vb.device())?,
+            positions: sinusoids(cfg.max_source_positions, d, vb.device())?.to_dtype(vb.dtype())?,
             blocks,
             ln_post: layer_norm(d, vb.pp("layer_norm"))?,
             n_head,
@@ -238,7 +238,8 @@ impl Encoder {
     /// Encodes a log-mel `(batch, n_mels, frames)` (`frames` even, at most 3000) into
     /// `(batch, frames / 2, d_model)`.
     pub fn forward(&self, mel: &Tensor) -> Result<Tensor> {
-        let x = parallel_gelu(&self.conv1.forward(mel)?)?;
+        let mel = mel.to_dtype(self.positions.dtype())?;
+        let x = parallel_gelu(&self.conv1.forward(&mel)?)?;
         let x = parallel_gelu(&self.conv2.forward(&x)?)?;
         let x = x.transpose(1, 2)?;
         let (b, len, d) = x.dims3()?;

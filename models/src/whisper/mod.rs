@@ -14,9 +14,11 @@ mod mel;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::Device;
 use candle_nn::VarBuilder;
 use candle_transformers::models::whisper::{self as m, Config};
+
+use crate::precision::Precision;
 use tokenizers::Tokenizer;
 
 use decode::Specials;
@@ -212,8 +214,15 @@ impl Whisper {
     /// Loads a CTranslate2 (faster-whisper) model folder: `model.bin` (F32/F16/BF16 weights;
     /// int8-quantised files are refused), `config.json` (`suppress_ids`, `suppress_ids_begin`,
     /// `lang_ids`; missing keys default to empty) and `tokenizer.json`.
-    /// Weights are converted to F32 on the CPU, then moved to `device`.
+    /// Weights are converted to F32 on the CPU, then to the precision's dtype on `device`.
     pub fn load_ct2(dir: &Path, device: &Device) -> Result<Whisper> {
+        Self::load_ct2_in(dir, device, Precision::Auto)
+    }
+
+    /// [`Self::load_ct2`] computing in `precision` (F32 on the CPU and F16 on a GPU for
+    /// [`Precision::Auto`]).
+    pub fn load_ct2_in(dir: &Path, device: &Device, precision: Precision) -> Result<Whisper> {
+        let dtype = precision.dtype(device);
         let bin_path = dir.join("model.bin");
         let bytes =
             std::fs::read(&bin_path).with_context(|| format!("reading {}", bin_path.display()))?;
@@ -225,7 +234,7 @@ impl Whisper {
             mut config,
         } = ct2::to_candle(&vars)?;
         drop(vars);
-        let weights_bytes = tensors.values().map(|t| (t.elem_count() * 4) as u64).sum();
+        let weights_bytes = tensors.values().map(|t| (t.elem_count() * dtype.size_in_bytes()) as u64).sum();
 
         let cfg_path = dir.join("config.json");
         let ct2_cfg: Ct2Config = serde_json::from_slice(
@@ -238,7 +247,7 @@ impl Whisper {
         let tokenizer = Tokenizer::from_file(&tok_path)
             .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
 
-        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
+        let vb = VarBuilder::from_tensors(tensors, dtype, device);
         let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config)
             .context("building the whisper decoder")?;
         let encoder = encoder::Encoder::load(vb.pp("model.encoder"), &config)
@@ -290,7 +299,7 @@ impl Whisper {
         })
     }
 
-    /// Bytes of weights held (F32).
+    /// Bytes of weights held (in the precision loaded).
     pub fn weights_bytes(&self) -> u64 {
         self.weights_bytes
     }
@@ -299,12 +308,11 @@ impl Whisper {
     /// a batch of that size needs at its peak. A model that fails here is not fit to serve.
     pub fn warmup(&mut self, windows: usize) -> Result<()> {
         let silence = vec![0f32; m::N_SAMPLES];
-        let mut features = Vec::with_capacity(windows.max(1));
-        for _ in 0..windows.max(1) {
-            let mel = mel::window_mel(&self.config, &self.filters, &silence, m::N_FRAMES, &self.device)?;
-            features.push(self.encoder.forward(&mel)?);
-        }
-        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?, None)?;
+        let mel = mel::window_mel(&self.config, &self.filters, &silence, m::N_FRAMES, &self.device)?;
+        let mels = candle_core::Tensor::cat(&vec![mel; windows.max(1)], 0)?;
+        let features = self.encoder.forward(&mels)?;
+        drop(mels);
+        let cross = self.decoder.cross_kv(&features, None)?;
         drop(features);
         let sot = vec![self.specials.sot; windows.max(1)];
         let input = candle_core::Tensor::from_vec(sot, (windows.max(1), 1), &self.device)?;
@@ -457,13 +465,30 @@ impl Whisper {
         positions: &[usize],
         items: &mut [Pending],
     ) -> Result<Vec<Option<decode::Decoded>>> {
-        let mut features = Vec::with_capacity(chunk.len());
-        for (&(i, w), &p) in chunk.iter().zip(positions) {
-            let pcm = inputs[i].0;
-            let (start, end) = window_bounds(pcm, w);
-            let mel = mel::window_mel(&self.config, &self.filters, &pcm[start..end], 2 * p, &self.device)?;
-            features.push(self.encoder.forward(&mel)?);
+        // Windows encoded over the same number of positions run through the encoder together
+        // (on a GPU one pass of many rows costs about what one row does).
+        let mut features: Vec<Option<candle_core::Tensor>> = vec![None; chunk.len()];
+        let mut lengths: Vec<usize> = positions.to_vec();
+        lengths.sort_unstable();
+        lengths.dedup();
+        for p in lengths {
+            let rows: Vec<usize> = (0..chunk.len()).filter(|&r| positions[r] == p).collect();
+            let mels = rows
+                .iter()
+                .map(|&r| {
+                    let (i, w) = chunk[r];
+                    let pcm = inputs[i].0;
+                    let (start, end) = window_bounds(pcm, w);
+                    mel::window_mel(&self.config, &self.filters, &pcm[start..end], 2 * p, &self.device)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let encoded = self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?)?;
+            for (k, &r) in rows.iter().enumerate() {
+                features[r] = Some(encoded.narrow(0, k, 1)?);
+            }
         }
+        let mut features: Vec<candle_core::Tensor> =
+            features.into_iter().map(|f| f.expect("every row has a length")).collect();
         // Rows encoded over fewer positions are zero-padded to the longest; the decoder masks
         // the padding, so a row decodes as it would alone.
         let longest = positions.iter().copied().max().unwrap_or(0);

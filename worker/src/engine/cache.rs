@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tern_models::embed::Embedder;
 use tern_models::generate::Llm;
+use tern_models::precision::Precision;
 use tern_models::whisper::Whisper;
 
 /// The model families a worker runs; a batch never mixes families (or models).
@@ -87,8 +88,10 @@ pub struct ModelCache {
     report: Arc<Mutex<CacheReport>>,
 }
 
-/// Windows in the warmup batch of a Whisper model.
-const WARMUP_WINDOWS: usize = 1;
+/// Windows in the warmup batch of a Whisper model on the CPU, where a pass at the largest batch
+/// (16 full windows) would add about 10 s to every load. On a GPU the warmup runs the largest
+/// batch ([`super::MAX_WINDOWS`]), so a model that cannot hold it is refused at load.
+const CPU_WARMUP_WINDOWS: usize = 1;
 
 impl ModelCache {
     /// `dir`: the models directory (each model is a folder in it); `budget`: bytes.
@@ -96,11 +99,13 @@ impl ModelCache {
         dir: PathBuf,
         runtime: tokio::runtime::Handle,
         device: Device,
+        precision: Precision,
         budget: u64,
         report: Arc<Mutex<CacheReport>>,
     ) -> ModelCache {
         report.lock().expect("not poisoned").budget_bytes = budget;
-        ModelCache { source: Source { dir, runtime, device }, budget, entries: HashMap::new(), clock: 0, report }
+        let source = Source { dir, runtime, device, precision };
+        ModelCache { source, budget, entries: HashMap::new(), clock: 0, report }
     }
 
     /// Bytes of the budget not held by resident weights: what batches may use.
@@ -215,6 +220,8 @@ pub struct Source {
     /// Runs hub downloads (async HTTP) from threads outside the runtime.
     runtime: tokio::runtime::Handle,
     device: Device,
+    /// Whisper's precision (see [`Precision`]).
+    precision: Precision,
 }
 
 impl Source {
@@ -227,7 +234,7 @@ impl Source {
         } else {
             self.dir.join(name)
         };
-        let estimate = estimate_bytes(family, &dir).map_err(|e| unavailable(format!("{e:#}")))?;
+        let estimate = estimate_bytes(family, &dir, self.precision.dtype(&self.device)).map_err(|e| unavailable(format!("{e:#}")))?;
         if estimate > budget {
             return Err(unavailable(format!(
                 "it needs about {estimate} bytes; the worker's memory budget is {budget} bytes (TERN_MEMORY_BUDGET)"
@@ -239,8 +246,8 @@ impl Source {
     /// Loads and warms up the model in `dir`, measuring its working memory per cost unit.
     pub fn load(&self, family: Family, name: &str, dir: &Path) -> Result<Loaded, EngineError> {
         let started = Instant::now();
-        let loaded = load(family, dir, &self.device).and_then(|mut model| {
-            let unit_bytes = warmup(&mut model).map_err(|e| e.context("warmup failed"))?;
+        let loaded = load(family, dir, &self.device, self.precision).and_then(|mut model| {
+            let unit_bytes = warmup(&mut model, &self.device).map_err(|e| e.context("warmup failed"))?;
             Ok((model, unit_bytes))
         });
         let (model, unit_bytes) = loaded.map_err(|e| {
@@ -259,12 +266,12 @@ impl Source {
     }
 }
 
-/// Weights' size before loading, from the files: CTranslate2 Whisper files hold F16 weights that
-/// load as F32 (twice the file); safetensors and GGUF load as stored.
-fn estimate_bytes(family: Family, dir: &Path) -> anyhow::Result<u64> {
+/// Weights' size before loading, from the files: CTranslate2 Whisper files hold F16 weights
+/// (twice the file in F32, as stored in F16); safetensors (F32) and GGUF load as stored.
+fn estimate_bytes(family: Family, dir: &Path, whisper_dtype: candle_core::DType) -> anyhow::Result<u64> {
     use anyhow::Context;
     let (file, factor) = match family {
-        Family::Whisper => ("model.bin", 2),
+        Family::Whisper => ("model.bin", whisper_dtype.size_in_bytes() as u64 / 2),
         Family::Embedder => ("model.safetensors", 1),
         Family::Llm => ("model.gguf", 1),
     };
@@ -273,9 +280,9 @@ fn estimate_bytes(family: Family, dir: &Path) -> anyhow::Result<u64> {
     Ok(len * factor)
 }
 
-fn load(family: Family, dir: &Path, device: &Device) -> anyhow::Result<Model> {
+fn load(family: Family, dir: &Path, device: &Device, precision: Precision) -> anyhow::Result<Model> {
     Ok(match family {
-        Family::Whisper => Model::Whisper(Whisper::load_ct2(dir, device)?),
+        Family::Whisper => Model::Whisper(Whisper::load_ct2_in(dir, device, precision)?),
         Family::Embedder => Model::Embedder(Embedder::load(dir, device)?),
         Family::Llm => Model::Llm(Llm::load_gguf(dir, device)?),
     })
@@ -288,13 +295,16 @@ const LLM_WARMUP_TOKENS: usize = 8;
 
 /// Runs a small batch through the model and returns the peak working memory per cost unit it
 /// took (bytes per window or per token), measured as the growth of the process's peak resident
-/// set (Linux; elsewhere a size-based figure).
-fn warmup(model: &mut Model) -> anyhow::Result<u64> {
+/// set (Linux; elsewhere a size-based figure). GPU memory does not show there, so on a GPU the
+/// figure is the floor and batches take their ceilings (16 windows): the warmup at that size
+/// is what proves they fit.
+fn warmup(model: &mut Model, device: &Device) -> anyhow::Result<u64> {
     let baseline = peak_rss::reset();
     let units = match model {
         Model::Whisper(m) => {
-            m.warmup(WARMUP_WINDOWS)?;
-            WARMUP_WINDOWS as u64
+            let windows = if device.is_cpu() { CPU_WARMUP_WINDOWS } else { super::MAX_WINDOWS };
+            m.warmup(windows)?;
+            windows as u64
         }
         Model::Embedder(m) => {
             let text = "tern warms this model up with a sentence of about sixty four tokens. ".repeat(4);

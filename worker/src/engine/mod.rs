@@ -180,13 +180,20 @@ pub struct Engine {
 impl Engine {
     /// Starts the thread; models load on first use. `budget`: bytes the resident models and
     /// their batches may use. Call from within the tokio runtime (hub downloads run on it).
-    pub fn start(models_dir: PathBuf, device: candle_core::Device, names: ModelNames, budget: u64, limits: BatchLimits) -> Engine {
+    pub fn start(
+        models_dir: PathBuf,
+        device: candle_core::Device,
+        precision: tern_models::precision::Precision,
+        names: ModelNames,
+        budget: u64,
+        limits: BatchLimits,
+    ) -> Engine {
         let (tx, rx) = mpsc::channel::<Request>();
         let report = Arc::new(Mutex::new(CacheReport::default()));
         let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
         let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
         let names = Arc::new(Mutex::new(names));
-        let cache = ModelCache::new(models_dir, tokio::runtime::Handle::current(), device, budget, report.clone());
+        let cache = ModelCache::new(models_dir, tokio::runtime::Handle::current(), device, precision, budget, report.clone());
         let source = cache.source();
         let swap_loading = Arc::new(AtomicBool::new(false));
         let batches_during_load = Arc::new(AtomicU64::new(0));

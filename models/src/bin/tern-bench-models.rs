@@ -1,0 +1,307 @@
+//! `tern-bench-models`: throughput of tern's model backends as the worker runs them, without
+//! the service around them, on the CPU or a GPU, so the figures compare with the peers'
+//! model-level figures (faster-whisper audio-s/s, sentence-transformers texts/s, llama.cpp
+//! tokens/s) and show what a GPU worker does with a batch.
+//!
+//! - transcribe: 20 LibriVox clips (the five of `testdata/librivox`, four times) and one
+//!   recording of about `--long-seconds` built from them, at each window budget of
+//!   `--budgets`; audio seconds per second, word error rate against the references, and how
+//!   many clips transcribed differently from budget 1;
+//! - embed: texts of ~15 tokens at batch sizes `--embed-batches`, texts per second; the cosine
+//!   reference value of the facts file and the largest batched-against-single difference;
+//! - generate: prompt tokens per second (prefill) and generated tokens per second (decode).
+//!
+//! Build with `--features bench` (and `cuda` for `--device cuda`); the workspace build does.
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tern_models::audio::decode_mono_16k;
+use tern_models::embed::Embedder;
+use tern_models::generate::{ChatMessage, GenerateOptions, Llm, Prompt};
+use tern_models::precision::Precision;
+use tern_models::wer::{word_errors, words};
+use tern_models::whisper::{Padding, TranscribeOptions, Whisper};
+
+// The allocator the worker uses, so the figures are the worker's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Parser, Debug)]
+#[command(name = "tern-bench-models", version, about = "Measure transcription, embedding and generation throughput of tern's model backends")]
+struct Args {
+    /// Folder of model weights and test audio (scripts/models.sh fills it).
+    #[arg(long, env = "TERN_MODELS_DIR", default_value = "~/.cache/tern/models")]
+    models_dir: String,
+    /// Device: `cpu`, `cuda[:N]` or `metal[:N]` (GPUs need the matching cargo feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Precision of Whisper: auto (F32 on the CPU, F16 on a GPU), f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    precision: Precision,
+    /// Sections to run, comma-separated: transcribe, embed, generate.
+    #[arg(long, value_delimiter = ',', default_value = "transcribe,embed,generate")]
+    only: Vec<String>,
+    /// Whisper model folder under the models directory.
+    #[arg(long, default_value = "whisper-tiny.en")]
+    whisper_model: String,
+    /// Window budgets (30 s windows run together) to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+    budgets: Vec<usize>,
+    /// Length of the long recording, seconds.
+    #[arg(long, default_value_t = 120.0)]
+    long_seconds: f64,
+    /// Whisper padding of short windows: `full` or seconds kept after the audio (the worker's
+    /// default, 2).
+    #[arg(long, default_value = "2")]
+    padding: Padding,
+    /// Embedding batch sizes to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
+    embed_batches: Vec<usize>,
+    /// Texts embedded per batch size.
+    #[arg(long, default_value_t = 1024)]
+    embed_texts: usize,
+    /// Embedding model folder under the models directory.
+    #[arg(long, default_value = "all-MiniLM-L6-v2")]
+    embed_model: String,
+    /// Tokens generated per generation run.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Generation runs (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    gen_runs: usize,
+    /// Language model folder under the models directory.
+    #[arg(long, default_value = "smollm2-135m-instruct")]
+    llm_model: String,
+}
+
+fn parse_device(s: &str) -> Result<Device> {
+    let (kind, ordinal) = match s.split_once(':') {
+        Some((k, n)) => (k, n.parse::<usize>().context("device ordinal")?),
+        None => (s, 0),
+    };
+    Ok(match kind {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(ordinal)?,
+        "metal" => Device::new_metal(ordinal)?,
+        other => bail!("unknown device {other:?}; use cpu, cuda[:N] or metal[:N]"),
+    })
+}
+
+fn expand_home(path: &str) -> PathBuf {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => path.into(),
+    }
+}
+
+fn progress(len: usize, msg: String) -> Result<ProgressBar> {
+    let pb = ProgressBar::new(len as u64);
+    pb.set_style(ProgressStyle::with_template("{msg:>16} [{bar:30}] {pos}/{len}")?.progress_chars("=> "));
+    pb.set_message(msg);
+    Ok(pb)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dir = expand_home(&args.models_dir);
+    let device = parse_device(&args.device)?;
+    println!("tern-bench-models: device {}, precision {}", args.device, args.precision);
+    for section in &args.only {
+        match section.as_str() {
+            "transcribe" => transcribe(&args, &dir, &device)?,
+            "embed" => embed(&args, &dir, &device)?,
+            "generate" => generate(&args, &dir, &device)?,
+            other => bail!("unknown section {other:?}; use transcribe, embed or generate"),
+        }
+    }
+    Ok(())
+}
+
+/// The LibriVox clips and their reference transcripts.
+fn librivox(dir: &Path) -> Result<Vec<(Vec<f32>, String)>> {
+    let refs = std::fs::read_to_string(dir.join("transcription")).context("test speech missing: run scripts/models.sh")?;
+    refs.lines()
+        .filter_map(|line| {
+            let (text, id) = line.rsplit_once(" (")?;
+            let id = id.trim_end_matches(')').to_string();
+            Some((text.replace("<s>", "").replace("</s>", "").trim().to_string(), id))
+        })
+        .map(|(text, id)| {
+            let wav = std::fs::read(dir.join(format!("{id}.wav"))).with_context(|| format!("reading {id}.wav"))?;
+            Ok((decode_mono_16k(&wav)?, text))
+        })
+        .collect()
+}
+
+fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
+    let clips = librivox(&dir.join("testdata/librivox"))?;
+    anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
+    // Four copies of the five clips make the twenty.
+    let short: Vec<&(Vec<f32>, String)> = (0..4).flat_map(|_| clips.iter()).collect();
+    let short_seconds: f64 = short.iter().map(|(p, _)| p.len() as f64 / 16_000.0).sum();
+    let mut long = Vec::new();
+    let mut long_words = Vec::new();
+    for (pcm, text) in clips.iter().cycle() {
+        if long.len() as f64 / 16_000.0 >= args.long_seconds {
+            break;
+        }
+        long.extend_from_slice(pcm);
+        long.extend(std::iter::repeat_n(0.0f32, 8_000));
+        long_words.extend(words(text));
+    }
+    let long_seconds = long.len() as f64 / 16_000.0;
+
+    let started = Instant::now();
+    let mut whisper = Whisper::load_ct2_in(&dir.join(&args.whisper_model), device, args.precision)?;
+    let largest = args.budgets.iter().copied().max().unwrap_or(1);
+    whisper.warmup(largest)?;
+    println!(
+        "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording",
+        args.whisper_model,
+        started.elapsed().as_secs_f64(),
+        whisper.weights_bytes() as f64 / 1e6,
+        short.len()
+    );
+    let opts = TranscribeOptions { padding: args.padding, ..TranscribeOptions::default() };
+    let mut rows = Vec::new();
+    let mut alone: Option<Vec<String>> = None;
+    for &budget in &args.budgets {
+        let inputs: Vec<(&[f32], &TranscribeOptions)> = short.iter().map(|(p, _)| (p.as_slice(), &opts)).collect();
+        let pb = progress(inputs.len(), format!("budget {budget}"))?;
+        let t = Instant::now();
+        let out = whisper.transcribe_many(&inputs, budget, &|_| false, &mut |_, _, _| {});
+        let short_secs = t.elapsed().as_secs_f64();
+        pb.finish_and_clear();
+        let texts = out
+            .into_iter()
+            .map(|r| r.map(|t| t.text).map_err(|e| anyhow::anyhow!("{e:#}")))
+            .collect::<Result<Vec<_>>>()?;
+        let (mut errors, mut total) = (0, 0);
+        for ((_, reference), text) in short.iter().zip(&texts) {
+            let r = words(reference);
+            errors += word_errors(&r, &words(text));
+            total += r.len();
+        }
+        let differ = alone.as_ref().map_or(0, |a| a.iter().zip(&texts).filter(|(a, b)| a != b).count());
+        alone.get_or_insert(texts);
+
+        let t = Instant::now();
+        let long_out = whisper.transcribe_many(&[(long.as_slice(), &opts)], budget, &|_| false, &mut |_, _, _| {});
+        let long_secs = t.elapsed().as_secs_f64();
+        let long_text = long_out.into_iter().next().context("one result")?.map_err(|e| anyhow::anyhow!("{e:#}"))?.text;
+        let long_wer = word_errors(&long_words, &words(&long_text)) as f64 / long_words.len().max(1) as f64;
+        rows.push((budget, short_seconds / short_secs, 100.0 * errors as f64 / total as f64, differ, long_seconds / long_secs, 100.0 * long_wer));
+    }
+    println!(
+        "{:>8} {:>16} {:>10} {:>14} {:>16} {:>10}",
+        "budget", "clips audio-s/s", "clips WER", "differ from 1", "long audio-s/s", "long WER"
+    );
+    for (budget, short_rate, wer, differ, long_rate, long_wer) in rows {
+        println!("{budget:>8} {short_rate:>16.1} {wer:>9.1}% {differ:>14} {long_rate:>16.1} {long_wer:>9.1}%");
+    }
+    Ok(())
+}
+
+/// Sentences of about 15 tokens, varied so tokenisation is not trivially repeated.
+fn sentence(i: usize) -> String {
+    const SUBJECTS: [&str; 4] = ["The quiet engineer", "A small red fox", "Our weekly newsletter", "The old harbour crane"];
+    const VERBS: [&str; 4] = ["quickly reviewed", "slowly crossed", "carefully described", "proudly repaired"];
+    const OBJECTS: [&str; 4] = ["the long report on river pollution", "a frozen field near the village", "every change to the city budget", "the broken gate behind the station"];
+    format!("{} {} {} number {i}.", SUBJECTS[i % 4], VERBS[(i / 4) % 4], OBJECTS[(i / 16) % 4])
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn embed(args: &Args, dir: &Path, device: &Device) -> Result<()> {
+    let embedder = Embedder::load(&dir.join(&args.embed_model), device).context("run scripts/models.sh --all")?;
+    let texts: Vec<String> = (0..args.embed_texts).map(sentence).collect();
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let tokens: usize = embedder.count_tokens(&refs)?.iter().sum();
+    // The facts file's check: cosine of these two sentences is 0.755 (sentence-transformers).
+    let pair = embedder.embed(&["A man is eating food.", "A man is eating a piece of bread."])?;
+    let cosine = dot(&pair[0], &pair[1]);
+    let batched = embedder.embed(&refs[..64.min(refs.len())])?;
+    let mut worst = 0f32;
+    for (text, b) in refs.iter().zip(&batched) {
+        let single = embedder.embed(&[text])?.remove(0);
+        // NaN must not vanish in the max.
+        worst = single.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(worst, |m, d| if d.is_nan() || m.is_nan() { f32::NAN } else { m.max(d) });
+    }
+    anyhow::ensure!(cosine.is_finite() && worst.is_finite(), "non-finite embeddings (cosine {cosine}, difference {worst})");
+    println!(
+        "{}: {} texts ({:.1} tokens each on average); cosine check {cosine:.4} (reference 0.755); batched vs single, largest difference {worst:.2e}",
+        args.embed_model,
+        texts.len(),
+        tokens as f64 / texts.len() as f64
+    );
+    println!("{:>12} {:>12}", "batch", "texts/s");
+    for &batch in &args.embed_batches {
+        let pb = progress(refs.len(), format!("batch {batch}"))?;
+        let start = Instant::now();
+        for chunk in refs.chunks(batch.max(1)) {
+            embedder.embed(chunk)?;
+            pb.inc(chunk.len() as u64);
+        }
+        let secs = start.elapsed().as_secs_f64();
+        pb.finish_and_clear();
+        println!("{:>12} {:>12.1}", batch, refs.len() as f64 / secs);
+    }
+    Ok(())
+}
+
+fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
+    let llm = Llm::load_gguf(&dir.join(&args.llm_model), device).context("run scripts/models.sh --all")?;
+    let prompt = Prompt::Chat(vec![ChatMessage {
+        role: "user".into(),
+        content: "Write a long story about a lighthouse keeper who finds a message in a bottle.".into(),
+    }]);
+    let prompt_tokens = llm.count_tokens(&prompt)?;
+    // A long prompt for the prefill figure.
+    let long_prompt = Prompt::Text((0..60).map(sentence).collect::<Vec<_>>().join(" "));
+    let long_tokens = llm.count_tokens(&long_prompt)?;
+    let one = GenerateOptions { max_tokens: 1, temperature: 0.0, ..Default::default() };
+    llm.generate(&prompt, &one, &mut |_, _| true)?; // warm-up
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for run in 0..args.gen_runs.max(1) {
+        let start = Instant::now();
+        llm.generate(&long_prompt, &one, &mut |_, _| true)?;
+        prefill.push(long_tokens as f64 / start.elapsed().as_secs_f64());
+
+        // Decode rate: time between the first and the last generated token.
+        let opts = GenerateOptions { max_tokens: args.gen_tokens, temperature: 0.0, seed: run as u64, ..Default::default() };
+        let mut first: Option<(Instant, usize)> = None;
+        let mut last = (Instant::now(), 0);
+        let g = llm.generate(&prompt, &opts, &mut |_, n| {
+            let now = Instant::now();
+            first.get_or_insert((now, n));
+            last = (now, n);
+            true
+        })?;
+        let (t0, n0) = first.context("no token generated")?;
+        let secs = last.0.duration_since(t0).as_secs_f64();
+        if last.1 > n0 && secs > 0.0 {
+            decode.push((last.1 - n0) as f64 / secs);
+        }
+        eprintln!("run {run}: {} tokens generated", g.completion_tokens);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    println!(
+        "{}: prefill {:.0} tokens/s ({long_tokens} prompt tokens), decode {:.1} tokens/s (prompt of {prompt_tokens} tokens, up to {} generated; median of {} runs)",
+        args.llm_model,
+        median(&mut prefill),
+        median(&mut decode),
+        args.gen_tokens,
+        args.gen_runs
+    );
+    Ok(())
+}

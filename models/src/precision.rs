@@ -1,0 +1,68 @@
+//! The floating-point precision models compute in.
+
+use candle_core::{DType, Device};
+
+/// Precision of Whisper's weights and activations (the embedder computes in F32, see
+/// [`crate::embed::Embedder::load`]; the language model keeps its GGUF quantisation). `Auto` (the default) is F16 on a GPU, where half precision doubles
+/// the tensor cores' rate and halves the memory per window, and F32 on the CPU, where candle's
+/// half-precision kernels are slower than its F32 ones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    #[default]
+    Auto,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Precision {
+    /// The candle dtype this precision resolves to on `device`.
+    pub fn dtype(self, device: &Device) -> DType {
+        match self {
+            Precision::Auto if device.is_cpu() => DType::F32,
+            Precision::Auto | Precision::F16 => DType::F16,
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Precision::Auto),
+            "f32" | "fp32" => Ok(Precision::F32),
+            "f16" | "fp16" => Ok(Precision::F16),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(format!("unknown precision {other:?}; use auto, f32, f16 or bf16")),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Auto => "auto",
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_is_f32_on_the_cpu_and_names_parse() {
+        assert_eq!(Precision::Auto.dtype(&Device::Cpu), DType::F32);
+        assert_eq!(Precision::Bf16.dtype(&Device::Cpu), DType::BF16);
+        for p in [Precision::Auto, Precision::F32, Precision::F16, Precision::Bf16] {
+            assert_eq!(p.to_string().parse::<Precision>(), Ok(p));
+        }
+        assert!("f8".parse::<Precision>().is_err());
+    }
+}
