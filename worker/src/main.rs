@@ -253,9 +253,14 @@ async fn main() -> anyhow::Result<()> {
         }),
     });
 
+    // The recorder goes in before the first pull: counters recorded earlier would be lost.
+    tern_jobs::prometheus::install();
     if cli.metrics_addr != "off" {
         let addr: std::net::SocketAddr = cli.metrics_addr.parse().context("TERN_METRICS_ADDR: expected HOST:PORT or off")?;
-        tokio::spawn(metrics_server::serve(addr, runner.engine.clone()));
+        // Bound before the first pull, so /metrics answers once jobs can run.
+        if let Some(listener) = metrics_server::bind(addr).await {
+            tokio::spawn(metrics_server::serve(listener, runner.engine.clone()));
+        }
     }
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);

@@ -30,18 +30,25 @@ async fn metrics(State(engine): State<Option<Arc<Engine>>>) -> impl IntoResponse
     )
 }
 
-/// Serves `/metrics` on `addr` until the process ends. A port already in use is logged, not
-/// fatal: a worker without metrics still runs jobs.
-pub async fn serve(addr: SocketAddr, engine: Option<Arc<Engine>>) {
-    tern_jobs::prometheus::install();
-    let app = Router::new().route("/metrics", get(metrics)).with_state(engine);
+/// Binds `addr` for [`serve`]. A port already in use is logged, not fatal: a worker without
+/// metrics still runs jobs.
+pub async fn bind(addr: SocketAddr) -> Option<tokio::net::TcpListener> {
     match tokio::net::TcpListener::bind(addr).await {
         Ok(listener) => {
             tracing::info!(%addr, "metrics at /metrics");
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::warn!(error = %e, "metrics server stopped");
-            }
+            Some(listener)
         }
-        Err(e) => tracing::warn!(%addr, error = %e, "metrics port unavailable; running without /metrics"),
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "metrics port unavailable; running without /metrics");
+            None
+        }
+    }
+}
+
+/// Serves `/metrics` on `listener` until the process ends.
+pub async fn serve(listener: tokio::net::TcpListener, engine: Option<Arc<Engine>>) {
+    let app = Router::new().route("/metrics", get(metrics)).with_state(engine);
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::warn!(error = %e, "metrics server stopped");
     }
 }

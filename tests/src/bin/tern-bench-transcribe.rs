@@ -32,6 +32,10 @@ struct Args {
     /// Whisper model folder under the models directory.
     #[arg(long, default_value = "whisper-tiny.en")]
     model: String,
+    /// The worker's device (`TERN_DEVICE`): `cpu`, or `cuda[:N]` with a worker built with
+    /// `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn b64(bytes: &[u8]) -> String {
@@ -106,6 +110,7 @@ async fn main() -> Result<()> {
             ("TERN_TRANSCRIBE_BATCH_WINDOWS", &budget_s),
             ("TERN_WORKER_KINDS", "transcribe"),
             ("TERN_WHISPER_MODEL", &args.model),
+            ("TERN_DEVICE", &args.device),
         ])?;
         // Warm-up: the model loads on its first job.
         run(&cluster, &[json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&clips[0])}}})], "warm-up").await?;
