@@ -295,9 +295,9 @@ const LLM_WARMUP_TOKENS: usize = 8;
 
 /// Runs a small batch through the model and returns the peak working memory per cost unit it
 /// took (bytes per window or per token), measured as the growth of the process's peak resident
-/// set (Linux; elsewhere a size-based figure). GPU memory does not show there, so on a GPU the
-/// figure is the floor and batches take their ceilings (16 windows): the warmup at that size
-/// is what proves they fit.
+/// set (Linux; elsewhere a size-based figure). GPU memory does not show there: on a GPU the
+/// figure counts host memory only (about 12 MB per Whisper window on an H100), so batches take
+/// their ceilings (16 windows), and the warmup at that size is what proves they fit.
 fn warmup(model: &mut Model, device: &Device) -> anyhow::Result<u64> {
     let baseline = peak_rss::reset();
     let units = match model {
