@@ -11,6 +11,7 @@
 //! [`whisper::Whisper::load_ct2`] to change that); no network access is needed at run time.
 
 pub mod audio;
+mod cpu_kernels;
 pub mod embed;
 pub mod generate;
 pub mod precision;

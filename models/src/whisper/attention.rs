@@ -3,11 +3,13 @@
 //! With candle's ops, a step's attention is a batched matmul of `batch x heads` tiny products,
 //! each a separate gemm call with its own thread-pool dispatch: a step of 16 rows cost five times
 //! one row although the work is mostly reading each row's keys and values once. Here each
-//! (row, head) is a plain dot-product / weighted-sum loop over contiguous memory, and the pairs
-//! are split across threads.
+//! (row, head) is a plain dot-product / weighted-sum loop over contiguous memory (compiled for
+//! the CPU's widest vectors, [`crate::cpu_kernels`]), and the pairs are split across threads.
 
 use candle_core::{Device, Result, Storage, Tensor};
 use rayon::prelude::*;
+
+use crate::cpu_kernels;
 
 /// How the keys are laid out per (row, head).
 #[derive(Clone, Copy)]
@@ -66,30 +68,19 @@ pub(crate) fn attend_one(
                 KeyLayout::Transposed => {
                     s.fill(0.0);
                     for (d, &qd) in q.iter().enumerate() {
-                        let row = &k[d * len..d * len + n];
-                        for (x, &kv) in s.iter_mut().zip(row) {
-                            *x += qd * kv;
-                        }
+                        cpu_kernels::axpy(s, qd, &k[d * len..d * len + n]);
                     }
                 }
                 KeyLayout::Rows => {
                     for (p, x) in s.iter_mut().enumerate() {
-                        *x = k[p * hd..(p + 1) * hd].iter().zip(q).map(|(a, b)| a * b).sum();
+                        *x = cpu_kernels::dot(&k[p * hd..(p + 1) * hd], q);
                     }
                 }
             }
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for x in s.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
+            cpu_kernels::softmax_in_place(s);
             o.fill(0.0);
             for (p, &w) in s.iter().enumerate() {
-                let w = w / sum;
-                for (acc, &vv) in o.iter_mut().zip(&v[p * hd..(p + 1) * hd]) {
-                    *acc += w * vv;
-                }
+                cpu_kernels::axpy(o, w, &v[p * hd..(p + 1) * hd]);
             }
         },
     );

@@ -3,106 +3,25 @@
 //!
 //! Profiled on candle's encoder, GELU (a single-threaded `tanhf` map) took 14% of the time and
 //! the attention softmax's `expf` 11%; here both run on every core with a polynomial `exp`
-//! that the compiler vectorises. The attention scale is folded into the query weights at load
-//! instead of scaling queries and keys on every pass. Other devices use candle's ops.
+//! that the compiler vectorises ([`crate::cpu_kernels`]). The attention scale is folded into
+//! the query weights at load instead of scaling queries and keys on every pass. Other devices
+//! use candle's ops.
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Module, Result, Shape, Tensor};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 use candle_transformers::models::whisper::Config;
 use rayon::prelude::*;
 
+use crate::cpu_kernels;
+
 /// Elements per parallel task: large enough to amortise the hand-off.
 const CHUNK: usize = 16 * 1024;
-
-/// `e^x` within 1e-5 relative for `x` in [-87, 88] (clamped outside), written so that loops over
-/// slices vectorise: `2^n * 2^f` with `f` in [-0.5, 0.5] and a degree-6 polynomial for `2^f`.
-#[inline(always)]
-pub(crate) fn fast_exp(x: f32) -> f32 {
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a libm call.
-    const ROUND: f32 = 12_582_912.0;
-    let t = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;
-    let n = (t + ROUND) - ROUND;
-    let f = t - n;
-    let p = 1.0
-        + f * (0.693_147_2
-            + f * (0.240_226_5
-                + f * (0.055_504_11 + f * (0.009_618_129 + f * (0.001_333_355 + f * 0.000_154_035_3)))));
-    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
-}
-
-/// candle's `gelu` (the tanh approximation), with `tanh(y) = 1 - 2 / (e^(2y) + 1)`.
-#[inline(always)]
-fn gelu(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    let y = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
-    let tanh = 1.0 - 2.0 / (fast_exp(2.0 * y) + 1.0);
-    0.5 * x * (1.0 + tanh)
-}
 
 fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     let (start, end) = layout
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("expected a contiguous tensor".into()))?;
     Ok(&storage.as_slice::<f32>()?[start..end])
-}
-
-#[inline(always)]
-fn gelu_slice(dst: &mut [f32], src: &[f32]) {
-    for (d, &x) in dst.iter_mut().zip(src) {
-        *d = gelu(x);
-    }
-}
-
-#[inline(always)]
-fn softmax_row(dst: &mut [f32], src: &[f32]) {
-    let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for (d, &x) in dst.iter_mut().zip(src) {
-        *d = fast_exp(x - max);
-        sum += *d;
-    }
-    let inv = 1.0 / sum;
-    for d in dst.iter_mut() {
-        *d *= inv;
-    }
-}
-
-/// The same loops compiled for AVX2 + FMA (the release build targets baseline x86-64, where
-/// they would run 4 lanes wide at best), chosen at run time as gemm chooses its kernels.
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn gelu_slice(dst: &mut [f32], src: &[f32]) {
-        super::gelu_slice(dst, src)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn softmax_row(dst: &mut [f32], src: &[f32]) {
-        super::softmax_row(dst, src)
-    }
-
-    pub(super) fn available() -> bool {
-        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-    }
-}
-
-fn gelu_dispatch(dst: &mut [f32], src: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has AVX2 and FMA, checked above.
-        return unsafe { avx2::gelu_slice(dst, src) };
-    }
-    gelu_slice(dst, src)
-}
-
-fn softmax_dispatch(dst: &mut [f32], src: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has AVX2 and FMA, checked above.
-        return unsafe { avx2::softmax_row(dst, src) };
-    }
-    softmax_row(dst, src)
 }
 
 struct ParallelGelu;
@@ -115,7 +34,7 @@ impl CustomOp1 for ParallelGelu {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let src = contiguous_f32(storage, layout)?;
         let mut dst = vec![0f32; src.len()];
-        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| gelu_dispatch(d, s));
+        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| cpu_kernels::gelu_slice(d, s));
         Ok((CpuStorage::F32(dst), layout.shape().clone()))
     }
 }
@@ -131,7 +50,7 @@ impl CustomOp1 for ParallelSoftmax {
         let src = contiguous_f32(storage, layout)?;
         let n = layout.shape().dims().last().copied().unwrap_or(1).max(1);
         let mut dst = vec![0f32; src.len()];
-        dst.par_chunks_mut(n).zip(src.par_chunks(n)).for_each(|(d, s)| softmax_dispatch(d, s));
+        dst.par_chunks_mut(n).zip(src.par_chunks(n)).for_each(|(d, s)| cpu_kernels::softmax(d, s));
         Ok((CpuStorage::F32(dst), layout.shape().clone()))
     }
 }
@@ -258,21 +177,5 @@ impl Encoder {
             x = (&x + block.fc2.forward(&parallel_gelu(&block.fc1.forward(&y)?)?)?)?;
         }
         self.ln_post.forward(&x)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fast_exp_and_gelu_match_the_library_functions() {
-        for i in -2000..=2000 {
-            let x = i as f32 / 40.0;
-            let (fast, exact) = (fast_exp(x), x.exp());
-            assert!((fast - exact).abs() <= 1e-5 * exact, "exp({x}): {fast} vs {exact}");
-            let reference = 0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044_715 * x * x * x)).tanh());
-            assert!((gelu(x) - reference).abs() < 1e-5, "gelu({x}): {} vs {reference}", gelu(x));
-        }
     }
 }
