@@ -10,6 +10,8 @@
 //! Everything runs on the CPU by default (pass another candle `Device` to
 //! [`whisper::Whisper::load_ct2`] to change that); no network access is needed at run time.
 
+#[cfg(feature = "allocator")]
+pub mod allocator;
 pub mod audio;
 mod cpu_kernels;
 pub mod embed;

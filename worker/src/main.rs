@@ -21,10 +21,9 @@ use std::time::Duration;
 use tern_jobs::config::ServiceArgs;
 use tern_jobs::{JobKind, ObjectStore, Store};
 
-// Model inference allocates and frees tensors of tens of MB per layer; glibc returns each to the
-// kernel and faults it back in (a quarter of the encoder's CPU time went to page faults).
+// Model inference allocates and frees tensors of tens of MB per layer: see tern_models::allocator.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tern_models::allocator::MiMalloc = tern_models::allocator::MiMalloc;
 
 #[derive(Parser, Debug)]
 #[command(name = "tern-worker", version, about = "tern's worker: runs queued inference jobs in batches")]
@@ -128,9 +127,11 @@ fn expand_home(path: &str) -> std::path::PathBuf {
 
 /// What this worker does to run faster or leaner, as the admin's system view lists it.
 fn optimisations(cli: &Cli) -> Vec<String> {
-    let mut out = vec!["mimalloc allocator".to_string(), "batches sized by cost and memory budget".into()];
+    let mut out = vec!["mimalloc allocator, freed memory kept".to_string(), "batches sized by cost and memory budget".into()];
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
+        out.push("AVX-512 kernels".into());
+    } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         out.push("AVX2/FMA kernels".into());
     }
     if cli.device.is_cpu() {
@@ -165,6 +166,7 @@ fn default_worker_id() -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    tern_models::allocator::keep_freed_memory();
     let cli = Cli::parse();
     tern_jobs::logging::init(&cli.services.log);
     let kinds: Vec<JobKind> = if cli.kinds.is_empty() {

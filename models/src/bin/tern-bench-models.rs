@@ -28,7 +28,7 @@ use tern_models::whisper::{Padding, TranscribeOptions, Whisper};
 
 // The allocator the worker uses, so the figures are the worker's.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tern_models::allocator::MiMalloc = tern_models::allocator::MiMalloc;
 
 #[derive(Parser, Debug)]
 #[command(name = "tern-bench-models", version, about = "Measure transcription, embedding and generation throughput of tern's model backends")]
@@ -106,6 +106,7 @@ fn progress(len: usize, msg: String) -> Result<ProgressBar> {
 }
 
 fn main() -> Result<()> {
+    tern_models::allocator::keep_freed_memory();
     let args = Args::parse();
     let dir = expand_home(&args.models_dir);
     let device = parse_device(&args.device)?;

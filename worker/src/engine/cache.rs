@@ -88,23 +88,20 @@ pub struct ModelCache {
     report: Arc<Mutex<CacheReport>>,
 }
 
-/// Windows in the warmup batch of a Whisper model on the CPU, where a pass at the largest batch
-/// (16 full windows) would add about 10 s to every load. On a GPU the warmup runs the largest
-/// batch ([`super::MAX_WINDOWS`]), so a model that cannot hold it is refused at load.
-const CPU_WARMUP_WINDOWS: usize = 1;
-
 impl ModelCache {
-    /// `dir`: the models directory (each model is a folder in it); `budget`: bytes.
+    /// `dir`: the models directory (each model is a folder in it); `budget`: bytes;
+    /// `warmup_windows`: the largest Whisper batch, which each Whisper model runs on load.
     pub fn new(
         dir: PathBuf,
         runtime: tokio::runtime::Handle,
         device: Device,
         precision: Precision,
         budget: u64,
+        warmup_windows: usize,
         report: Arc<Mutex<CacheReport>>,
     ) -> ModelCache {
         report.lock().expect("not poisoned").budget_bytes = budget;
-        let source = Source { dir, runtime, device, precision };
+        let source = Source { dir, runtime, device, precision, warmup_windows };
         ModelCache { source, budget, entries: HashMap::new(), clock: 0, report }
     }
 
@@ -222,6 +219,8 @@ pub struct Source {
     device: Device,
     /// Whisper's precision (see [`Precision`]).
     precision: Precision,
+    /// Windows of the Whisper warmup batch: the largest batch the worker runs.
+    warmup_windows: usize,
 }
 
 impl Source {
@@ -247,7 +246,7 @@ impl Source {
     pub fn load(&self, family: Family, name: &str, dir: &Path) -> Result<Loaded, EngineError> {
         let started = Instant::now();
         let loaded = load(family, dir, &self.device, self.precision).and_then(|mut model| {
-            let unit_bytes = warmup(&mut model, &self.device).map_err(|e| e.context("warmup failed"))?;
+            let unit_bytes = warmup(&mut model, self.warmup_windows).map_err(|e| e.context("warmup failed"))?;
             Ok((model, unit_bytes))
         });
         let (model, unit_bytes) = loaded.map_err(|e| {
@@ -293,16 +292,18 @@ const EMBED_WARMUP_TEXTS: usize = 8;
 /// Tokens generated in the LLM warmup after a short prompt.
 const LLM_WARMUP_TOKENS: usize = 8;
 
-/// Runs a small batch through the model and returns the peak working memory per cost unit it
-/// took (bytes per window or per token), measured as the growth of the process's peak resident
-/// set (Linux; elsewhere a size-based figure). GPU memory does not show there: on a GPU the
-/// figure counts host memory only (about 12 MB per Whisper window on an H100), so batches take
-/// their ceilings (16 windows), and the warmup at that size is what proves they fit.
-fn warmup(model: &mut Model, device: &Device) -> anyhow::Result<u64> {
+/// Runs a batch through the model and returns the peak working memory per cost unit it took
+/// (bytes per window or per token), measured as the growth of the process's peak resident set
+/// (Linux; elsewhere a size-based figure). Whisper runs the largest batch the worker will run
+/// (`windows` full 30 s windows: about 2.5 s for tiny.en on 2 AVX-512 cores), so a model that
+/// cannot hold it is refused at load, and its working memory is already mapped (and kept, see
+/// `tern_models::allocator`) when the first real batch comes. GPU memory does not show in the
+/// resident set: on a GPU the figure counts host memory only (about 12 MB per Whisper window on
+/// an H100), so batches take their ceilings, which this warmup proved to fit.
+fn warmup(model: &mut Model, windows: usize) -> anyhow::Result<u64> {
     let baseline = peak_rss::reset();
     let units = match model {
         Model::Whisper(m) => {
-            let windows = if device.is_cpu() { CPU_WARMUP_WINDOWS } else { super::MAX_WINDOWS };
             m.warmup(windows)?;
             windows as u64
         }

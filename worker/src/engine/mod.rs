@@ -193,7 +193,16 @@ impl Engine {
         let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
         let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
         let names = Arc::new(Mutex::new(names));
-        let cache = ModelCache::new(models_dir, tokio::runtime::Handle::current(), device, precision, budget, report.clone());
+        let warmup_windows = limits.windows.unwrap_or(MAX_WINDOWS);
+        let cache = ModelCache::new(
+            models_dir,
+            tokio::runtime::Handle::current(),
+            device,
+            precision,
+            budget,
+            warmup_windows,
+            report.clone(),
+        );
         let source = cache.source();
         let swap_loading = Arc::new(AtomicBool::new(false));
         let batches_during_load = Arc::new(AtomicU64::new(0));
@@ -406,10 +415,12 @@ impl Thread {
         let window_batch = self.limits.windows.unwrap_or(self.windows.load(Ordering::Relaxed) as usize);
         let refs: Vec<(&[f32], &TranscribeOptions)> = inputs.iter().map(|(p, o, ..)| (p.as_slice(), o)).collect();
         let canceled = |i: usize| inputs[i].3.load(Ordering::Relaxed);
+        let started = Instant::now();
         let results = model.transcribe_many(&refs, window_batch, &canceled, &mut |i, done, total| {
             let _ = inputs[i].2.send((done, total));
         });
-        tracing::info!(recordings = inputs.len(), window_batch, "transcription batch done");
+        let model_ms = started.elapsed().as_millis() as u64;
+        tracing::info!(recordings = inputs.len(), window_batch, model_ms, "transcription batch done");
         for ((.., reply), result) in inputs.into_iter().zip(results) {
             let served = result.map(|value| Served { value, model: name.clone() });
             let _ = reply.send(served.map_err(|e| EngineError::Inference(format!("{e:#}"))));
