@@ -168,8 +168,10 @@ fn pick(logits: &[f32], temperature: f64, rng: &mut Rng) -> u32 {
 
 /// Decodes a batch of windows (one row of `cross` each, all with the same prompt) at one
 /// temperature, feeding only the new token per row at each step after the prompt
-/// (self-attention cache). Each row stops at its own EOT; finished rows are fed EOT until all
-/// are done and their outputs ignored.
+/// (self-attention cache). Each row stops at its own EOT. Finished rows are fed EOT (their
+/// outputs ignored) until they are a quarter of the batch, then leave it with their caches:
+/// the short clips of a batch end many steps before its longest, and every step costs in
+/// proportion to its rows.
 fn decode_batch(
     decoder: &Decoder,
     cross: &CrossKv,
@@ -187,34 +189,50 @@ fn decode_batch(
     let mut done = vec![false; batch];
     let mut sum_logprob = vec![0f64; batch];
     let mut no_speech_prob = vec![0f64; batch];
+    // The original row of each row of the running batch, ascending, and the cross-attention
+    // keys/values of those rows once some have left.
+    let mut active: Vec<usize> = (0..batch).collect();
+    let mut active_cross: Option<CrossKv> = None;
     for i in 0..SAMPLE_LEN {
         if prompt.len() + i >= max_ctx || done.iter().all(|&d| d) {
             break;
         }
+        let finished = active.iter().filter(|&&b| done[b]).count();
+        if finished > 0 && finished * 4 >= active.len() {
+            let keep: Vec<usize> = (0..active.len()).filter(|&j| !done[active[j]]).collect();
+            cache = cache.select(&keep)?;
+            active_cross = Some(active_cross.as_ref().unwrap_or(cross).select(&keep)?);
+            active = keep.iter().map(|&j| active[j]).collect();
+        }
+        let step_cross = active_cross.as_ref().unwrap_or(cross);
         let pos = cache.len();
-        let new: Vec<u32> = tokens
+        let new: Vec<u32> = active
             .iter()
-            .flat_map(|t| t[pos..].iter().copied())
+            .flat_map(|&b| tokens[b][pos..].iter().copied())
             .collect();
-        let new_len = new.len() / batch;
-        let input = Tensor::from_vec(new, (batch, new_len), &device)?;
-        let ys = decoder.forward(&input, cross, &mut cache)?;
+        let new_len = new.len() / active.len();
+        let input = Tensor::from_vec(new, (active.len(), new_len), &device)?;
+        let ys = decoder.forward(&input, step_cross, &mut cache)?;
         if i == 0 {
             if let Some(ns) = sp.no_speech {
                 // OpenAI reads the no-speech probability at the SOT position.
                 let sot_pos = prompt.iter().position(|&t| t == sp.sot).unwrap_or(0);
-                for (b, l) in decoder.logits_vecs(&ys, sot_pos)?.iter().enumerate() {
-                    no_speech_prob[b] = f64::from(l[ns as usize] - log_sum_exp(l)).exp();
+                for (j, l) in decoder.logits_vecs(&ys, sot_pos)?.iter().enumerate() {
+                    no_speech_prob[active[j]] = f64::from(l[ns as usize] - log_sum_exp(l)).exp();
                 }
             }
         }
         let rows = decoder.logits_vecs(&ys, new_len - 1)?;
+        let mut in_batch = vec![false; batch];
+        active.iter().for_each(|&b| in_batch[b] = true);
+        let step_rngs: Vec<&mut Rng> =
+            rngs.iter_mut().enumerate().filter(|(b, _)| in_batch[*b]).map(|(_, r)| r).collect();
         // The rules and picks of the rows are independent: a few passes over 51k logits each.
         let picks: Vec<Option<(u32, f64)>> = rows
             .into_par_iter()
-            .zip(rngs.par_iter_mut())
-            .enumerate()
-            .map(|(b, (mut logits, rng))| {
+            .zip(step_rngs)
+            .zip(active.par_iter())
+            .map(|((mut logits, rng), &b)| {
                 if done[b] {
                     return None;
                 }
@@ -223,7 +241,7 @@ fn decode_batch(
                 Some((next, f64::from(logits[next as usize] - log_sum_exp(&logits))))
             })
             .collect();
-        for (b, picked) in picks.into_iter().enumerate() {
+        for (&b, picked) in active.iter().zip(picks) {
             let Some((next, lp)) = picked else {
                 // Keeps this row's cache length in step with the others.
                 tokens[b].push(sp.eot);

@@ -146,6 +146,24 @@ pub(crate) struct KvCache {
 }
 
 impl KvCache {
+    /// The cache of the given batch rows, in that order.
+    pub fn select(&self, rows: &[usize]) -> Result<KvCache> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                layer
+                    .as_ref()
+                    .map(|(k, v)| {
+                        let index = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), k.device())?;
+                        Ok((k.index_select(&index, 0)?, v.index_select(&index, 0)?))
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { layers, len: self.len })
+    }
+
     /// Number of token positions already in the cache.
     pub fn len(&self) -> usize {
         self.len

@@ -40,8 +40,10 @@ impl CustomOp1 for ParallelGelu {
 }
 
 /// Multi-head softmax attention of `q`, `k`, `v`, each `(batch, len, d_model)` with the heads
-/// side by side in the last dimension, queries already scaled; no mask (the encoder's windows
-/// in one pass have the same length). Returns `(batch, len, d_model)`.
+/// side by side in the last dimension, queries already scaled. Window `b` attends over its
+/// first `lens[b]` positions only (all of them without `lens`), so windows of different lengths
+/// padded to the longest encode as they would alone; the padding's rows come out zero. Returns
+/// `(batch, len, d_model)`.
 ///
 /// candle's ops materialise every head's `len x len` scores twice over (products, then
 /// softmax: ~50 MB per layer for 16 short windows) and copy `q`, `k` and `v` into per-head
@@ -50,6 +52,7 @@ impl CustomOp1 for ParallelGelu {
 /// cache, and gemm reads the heads in place through strides.
 struct SelfAttention {
     heads: usize,
+    lens: Option<Vec<usize>>,
 }
 
 /// The output's base pointer, shared by the tasks that write disjoint heads of it.
@@ -87,33 +90,41 @@ impl CustomOp3 for SelfAttention {
         let (h, hd) = (self.heads, d / self.heads);
         let mut out = vec![0f32; b * len * d];
         let dst = OutPtr(out.as_mut_ptr());
-        let (len_s, d_s) = (len as isize, d as isize);
+        let d_s = d as isize;
+        if let Some(lens) = &self.lens {
+            if lens.len() != b || lens.iter().any(|&n| n == 0 || n > len) {
+                candle_core::bail!("self-attention: lengths {lens:?} for {b} windows of {len}");
+            }
+        }
         (0..b * h).into_par_iter().for_each_init(
             || vec![0f32; len * len],
             |scores, pair| {
-                // Head `hi` of window `bi`: rows of `len`, columns `hi * hd ..` with row stride d.
+                let n = self.lens.as_ref().map_or(len, |l| l[pair / h]);
+                let n_s = n as isize;
+                // Head `hi` of window `bi`: rows of `len`, columns `hi * hd ..` with row stride d;
+                // only its first `n` rows take part.
                 let base = (pair / h) * len * d + (pair % h) * hd;
                 // SAFETY: every pointer and stride stays inside its buffer: q/k/v/out hold
-                // `b * len * d` elements and a head spans rows `0..len` and columns
-                // `base..base + hd` of its window; `scores` holds `len * len`.
+                // `b * len * d` elements and a head spans rows `0..n <= len` and columns
+                // `base..base + hd` of its window; `scores` holds `len * len >= n * n`.
                 unsafe {
-                    // scores (len x len) = q_head (len x hd) . k_headᵀ (hd x len)
+                    // scores (n x n) = q_head (n x hd) . k_headᵀ (hd x n)
                     gemm::gemm(
-                        len, len, hd, scores.as_mut_ptr(), 1, len_s, false,
+                        n, n, hd, scores.as_mut_ptr(), 1, n_s, false,
                         q.as_ptr().add(base), 1, d_s,
                         k.as_ptr().add(base), d_s, 1,
                         0.0, 1.0, false, false, false, gemm::Parallelism::None,
                     );
                 }
-                for row in scores.chunks_exact_mut(len) {
+                for row in scores[..n * n].chunks_exact_mut(n) {
                     cpu_kernels::softmax_in_place(row);
                 }
                 // SAFETY: as above; this task alone writes this head's block of `out`.
                 unsafe {
-                    // out_head (len x hd) = scores (len x len) . v_head (len x hd)
+                    // out_head (n x hd) = scores (n x n) . v_head (n x hd)
                     gemm::gemm(
-                        len, hd, len, dst.at(base), 1, d_s, false,
-                        scores.as_ptr(), 1, len_s,
+                        n, hd, n, dst.at(base), 1, d_s, false,
+                        scores.as_ptr(), 1, n_s,
                         v.as_ptr().add(base), 1, d_s,
                         0.0, 1.0, false, false, false, gemm::Parallelism::None,
                     );
@@ -215,9 +226,17 @@ impl Encoder {
         })
     }
 
+    /// Whether [`Encoder::forward`] takes windows of different lengths in one batch (the CPU in
+    /// F32, where attention is [`SelfAttention`]).
+    pub fn takes_lengths(&self) -> bool {
+        self.positions.device().is_cpu() && self.positions.dtype() == candle_core::DType::F32
+    }
+
     /// Encodes a log-mel `(batch, n_mels, frames)` (`frames` even, at most 3000) into
-    /// `(batch, frames / 2, d_model)`.
-    pub fn forward(&self, mel: &Tensor) -> Result<Tensor> {
+    /// `(batch, frames / 2, d_model)`. With `lens` (only where [`Encoder::takes_lengths`]),
+    /// window `b` is its first `lens[b]` positions (`2 * lens[b]` mel frames, the rest zeros),
+    /// and its positions up to there come out as they would alone; the rest is padding.
+    pub fn forward(&self, mel: &Tensor, lens: Option<&[usize]>) -> Result<Tensor> {
         let mel = mel.to_dtype(self.positions.dtype())?;
         let x = parallel_gelu(&self.conv1.forward(&mel)?)?;
         let x = parallel_gelu(&self.conv2.forward(&x)?)?;
@@ -229,10 +248,13 @@ impl Encoder {
         for block in &self.blocks {
             let y = block.attn_ln.forward(&x)?;
             let (q, k, v) = (block.q.forward(&y)?, block.k.forward(&y)?, block.v.forward(&y)?);
-            let o = if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
+            let o = if self.takes_lengths() {
                 let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-                q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads: h })?
+                q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads: h, lens: lens.map(<[usize]>::to_vec) })?
             } else {
+                if lens.is_some() {
+                    candle_core::bail!("this encoder takes windows of one length per batch");
+                }
                 let (q, k_t, v) = (heads(q)?.contiguous()?, heads(k)?.transpose(2, 3)?.contiguous()?, heads(v)?.contiguous()?);
                 let w = candle_nn::ops::softmax_last_dim(&q.matmul(&k_t)?)?;
                 w.matmul(&v)?.transpose(1, 2)?.flatten_from(2)?

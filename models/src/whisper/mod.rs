@@ -179,6 +179,36 @@ fn encoder_positions(padding: Padding, samples: usize) -> usize {
     }
 }
 
+/// Longest share of a group's encoder work that may go to padding when windows of different
+/// lengths are encoded together.
+const MAX_ENCODER_PADDING: f64 = 0.2;
+
+/// Rows of a window batch that go through the encoder together, given each row's encoder
+/// positions. With `mixed` (an encoder that takes lengths), rows sorted by length form groups
+/// whose shortest row is at least `1 - MAX_ENCODER_PADDING` of the longest, so a group wastes
+/// at most that share on padding while its matrix products run over many rows at once (the
+/// short clips of a batch are all of different lengths). Otherwise rows of equal length group.
+fn encoder_groups(positions: &[usize], mixed: bool) -> Vec<Vec<usize>> {
+    let mut rows: Vec<usize> = (0..positions.len()).collect();
+    rows.sort_by_key(|&r| std::cmp::Reverse(positions[r]));
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for r in rows {
+        let joins = groups.last().is_some_and(|g| {
+            let longest = positions[g[0]];
+            if mixed {
+                positions[r] as f64 >= (1.0 - MAX_ENCODER_PADDING) * longest as f64
+            } else {
+                positions[r] == longest
+            }
+        });
+        match groups.last_mut() {
+            Some(g) if joins => g.push(r),
+            _ => groups.push(vec![r]),
+        }
+    }
+    groups
+}
+
 /// Sample range of window `w` of `pcm`.
 fn window_bounds(pcm: &[f32], w: usize) -> (usize, usize) {
     let start = (w * m::N_SAMPLES).min(pcm.len());
@@ -310,7 +340,7 @@ impl Whisper {
         let silence = vec![0f32; m::N_SAMPLES];
         let mel = mel::window_mel(&self.config, &self.filters, &silence, m::N_FRAMES, &self.device)?;
         let mels = candle_core::Tensor::cat(&vec![mel; windows.max(1)], 0)?;
-        let features = self.encoder.forward(&mels)?;
+        let features = self.encoder.forward(&mels, None)?;
         drop(mels);
         let cross = self.decoder.cross_kv(&features, None)?;
         drop(features);
@@ -465,26 +495,28 @@ impl Whisper {
         positions: &[usize],
         items: &mut [Pending],
     ) -> Result<Vec<Option<decode::Decoded>>> {
-        // Windows encoded over the same number of positions run through the encoder together
-        // (on a GPU one pass of many rows costs about what one row does).
+        // Windows run through the encoder in groups (see `encoder_groups`); a window shorter
+        // than its group's longest gets zero mel frames after its own, which the encoder ignores.
         let mut features: Vec<Option<candle_core::Tensor>> = vec![None; chunk.len()];
-        let mut lengths: Vec<usize> = positions.to_vec();
-        lengths.sort_unstable();
-        lengths.dedup();
-        for p in lengths {
-            let rows: Vec<usize> = (0..chunk.len()).filter(|&r| positions[r] == p).collect();
+        let mixed = self.encoder.takes_lengths();
+        for rows in encoder_groups(positions, mixed) {
+            let longest = rows.iter().map(|&r| positions[r]).max().unwrap_or(0);
             let mels = rows
                 .iter()
                 .map(|&r| {
                     let (i, w) = chunk[r];
                     let pcm = inputs[i].0;
                     let (start, end) = window_bounds(pcm, w);
-                    mel::window_mel(&self.config, &self.filters, &pcm[start..end], 2 * p, &self.device)
+                    let p = positions[r];
+                    let mel = mel::window_mel(&self.config, &self.filters, &pcm[start..end], 2 * p, &self.device)?;
+                    Ok(mel.pad_with_zeros(2, 0, 2 * (longest - p))?)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let encoded = self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?)?;
+            let lens: Vec<usize> = rows.iter().map(|&r| positions[r]).collect();
+            let encoded =
+                self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?, mixed.then_some(lens.as_slice()))?;
             for (k, &r) in rows.iter().enumerate() {
-                features[r] = Some(encoded.narrow(0, k, 1)?);
+                features[r] = Some(encoded.narrow(0, k, 1)?.narrow(1, 0, positions[r])?);
             }
         }
         let mut features: Vec<candle_core::Tensor> =
@@ -644,5 +676,19 @@ impl Whisper {
         }
         flush(&mut text_tokens, seg_start, window_end)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::encoder_groups;
+
+    #[test]
+    fn encoder_groups_bound_the_padding_or_keep_equal_lengths() {
+        let positions = [300, 1500, 250, 290, 1500, 100, 241];
+        // Longest first; a row joins while it is at least 80% of its group's longest.
+        assert_eq!(encoder_groups(&positions, true), vec![vec![1, 4], vec![0, 3, 2, 6], vec![5]]);
+        assert_eq!(encoder_groups(&positions, false), vec![vec![1, 4], vec![0], vec![3], vec![2], vec![6], vec![5]]);
+        assert!(encoder_groups(&[], true).is_empty());
     }
 }
