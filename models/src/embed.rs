@@ -20,9 +20,15 @@ pub const MAX_TOKENS_PER_TEXT: usize = 256;
 /// scores grow with the square of the longest text).
 const TOKENS_PER_FORWARD: usize = 8192;
 
+/// The encoder that runs: tern's on the CPU ([`crate::bert`]), candle's elsewhere.
+enum Encoder {
+    Tern(crate::bert::Bert),
+    Candle(BertModel),
+}
+
 /// A loaded sentence-embedding model and its tokenizer on one candle [`Device`].
 pub struct Embedder {
-    model: BertModel,
+    model: Encoder,
     tokenizer: Tokenizer,
     device: Device,
     dimensions: usize,
@@ -65,7 +71,10 @@ impl Embedder {
             .len();
         // SAFETY: the file is only read; tern's models directory is not rewritten while in use.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
-        let model = BertModel::load(vb, &config).context("building the BERT model")?;
+        let model = match crate::bert::Bert::load(vb.clone(), &config).context("building the BERT model")? {
+            Some(bert) => Encoder::Tern(bert),
+            None => Encoder::Candle(BertModel::load(vb, &config).context("building the BERT model")?),
+        };
         Ok(Embedder { model, tokenizer, device: device.clone(), dimensions: config.hidden_size, weights_bytes })
     }
 
@@ -107,6 +116,7 @@ impl Embedder {
             }
             let rows = &order[start..end];
             let width = encodings[rows[rows.len() - 1]].len().max(1);
+            let lens: Vec<usize> = rows.iter().map(|&i| encodings[i].len().max(1)).collect();
             let mut ids = Vec::with_capacity(rows.len() * width);
             let mut mask = Vec::with_capacity(rows.len() * width);
             for &i in rows {
@@ -118,7 +128,7 @@ impl Embedder {
             }
             let ids = Tensor::from_vec(ids, (rows.len(), width), &self.device)?;
             let mask = Tensor::from_vec(mask, (rows.len(), width), &self.device)?;
-            let vectors = self.forward(&ids, &mask)?;
+            let vectors = self.forward(&ids, &mask, &lens)?;
             for (&i, v) in rows.iter().zip(vectors) {
                 out[i] = v;
             }
@@ -127,8 +137,11 @@ impl Embedder {
         Ok(out)
     }
 
-    fn forward(&self, ids: &Tensor, mask: &Tensor) -> Result<Vec<Vec<f32>>> {
-        let hidden = self.model.forward(ids, &ids.zeros_like()?, Some(mask))?;
+    fn forward(&self, ids: &Tensor, mask: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+        let hidden = match &self.model {
+            Encoder::Tern(bert) => bert.forward(ids, lens)?,
+            Encoder::Candle(bert) => bert.forward(ids, &ids.zeros_like()?, Some(mask))?,
+        };
         let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
         let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
         let counts = mask.sum(1)?.clamp(1e-9, f64::INFINITY)?;

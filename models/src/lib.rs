@@ -13,7 +13,10 @@
 #[cfg(feature = "allocator")]
 pub mod allocator;
 pub mod audio;
+mod bert;
 mod cpu_kernels;
+mod linear;
+mod self_attention;
 pub mod embed;
 pub mod generate;
 pub mod precision;

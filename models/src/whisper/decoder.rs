@@ -12,48 +12,7 @@ use candle_nn::{LayerNorm, VarBuilder};
 use candle_transformers::models::whisper::Config;
 
 use super::attention::{self, KeyLayout};
-
-/// A linear layer for the few rows of a decoding step.
-///
-/// candle's `Linear` computes `x Wᵀ`, where gemm re-packs the whole transposed weight matrix
-/// on every call; for a handful of rows that packing costs more than the products. Computed as
-/// `(W xᵀ)ᵀ`, the weights are read once in their own layout.
-struct Linear {
-    weight: Tensor,
-    bias: Option<Tensor>,
-}
-
-impl Linear {
-    /// Rows up to which `(W xᵀ)ᵀ` is used; more rows use `x Wᵀ` as candle does.
-    const FEW_ROWS: usize = 64;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let d_in = *dims.last().expect("at least one dimension");
-        let rows = x.elem_count() / d_in.max(1);
-        let x2 = x.reshape((rows, d_in))?;
-        let y = if rows <= Self::FEW_ROWS {
-            self.weight.matmul(&x2.t()?)?.t()?
-        } else {
-            x2.matmul(&self.weight.t()?)?
-        };
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y.contiguous()?,
-        };
-        let mut out_dims = dims;
-        *out_dims.last_mut().expect("at least one dimension") = self.weight.dim(0)?;
-        y.reshape(out_dims)
-    }
-}
-
-fn linear(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
-    Ok(Linear { weight: vb.get((d_out, d_in), "weight")?, bias: Some(vb.get(d_out, "bias")?) })
-}
-
-fn linear_no_bias(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
-    Ok(Linear { weight: vb.get((d_out, d_in), "weight")?, bias: None })
-}
+use crate::linear::{linear, linear_no_bias, Linear};
 
 fn layer_norm(size: usize, vb: VarBuilder) -> Result<LayerNorm> {
     let weight = vb.get(size, "weight")?;

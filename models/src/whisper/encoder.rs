@@ -4,25 +4,21 @@
 //! Profiled on candle's encoder, GELU (a single-threaded `tanhf` map) took 14% of the time and
 //! the attention softmax's `expf` 11%; here GELU runs on every core with a polynomial `exp`
 //! that the compiler vectorises ([`crate::cpu_kernels`]), and attention is one fused pass per
-//! (window, head) ([`SelfAttention`]). The attention scale is folded into the query weights at
+//! (window, head) ([`self_attention`]). The attention scale is folded into the query weights at
 //! load instead of scaling queries and keys on every pass. Other devices use candle's ops.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Module, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Module, Result, Shape, Tensor};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 use candle_transformers::models::whisper::Config;
 use rayon::prelude::*;
 
 use crate::cpu_kernels;
+use crate::self_attention::self_attention;
 
 /// Elements per parallel task: large enough to amortise the hand-off.
 const CHUNK: usize = 16 * 1024;
 
-fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("expected a contiguous tensor".into()))?;
-    Ok(&storage.as_slice::<f32>()?[start..end])
-}
+use crate::self_attention::contiguous_f32;
 
 struct ParallelGelu;
 
@@ -36,102 +32,6 @@ impl CustomOp1 for ParallelGelu {
         let mut dst = vec![0f32; src.len()];
         dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| cpu_kernels::gelu_slice(d, s));
         Ok((CpuStorage::F32(dst), layout.shape().clone()))
-    }
-}
-
-/// Multi-head softmax attention of `q`, `k`, `v`, each `(batch, len, d_model)` with the heads
-/// side by side in the last dimension, queries already scaled. Window `b` attends over its
-/// first `lens[b]` positions only (all of them without `lens`), so windows of different lengths
-/// padded to the longest encode as they would alone; the padding's rows come out zero. Returns
-/// `(batch, len, d_model)`.
-///
-/// candle's ops materialise every head's `len x len` scores twice over (products, then
-/// softmax: ~50 MB per layer for 16 short windows) and copy `q`, `k` and `v` into per-head
-/// layouts; the fresh pages and the memory traffic cost about a fifth of the encoder at batch 16.
-/// Here each (window, head) pair runs on one core with its scores in a buffer that stays in
-/// cache, and gemm reads the heads in place through strides.
-struct SelfAttention {
-    heads: usize,
-    lens: Option<Vec<usize>>,
-}
-
-/// The output's base pointer, shared by the tasks that write disjoint heads of it.
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own (window, head) block of the buffer, which outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn at(&self, offset: usize) -> *mut f32 {
-        // SAFETY: callers pass offsets inside the buffer.
-        unsafe { self.0.add(offset) }
-    }
-}
-
-impl CustomOp3 for SelfAttention {
-    fn name(&self) -> &'static str {
-        "fused-self-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        qs: &CpuStorage,
-        ql: &Layout,
-        ks: &CpuStorage,
-        kl: &Layout,
-        vs: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (q, k, v) = (contiguous_f32(qs, ql)?, contiguous_f32(ks, kl)?, contiguous_f32(vs, vl)?);
-        let (b, len, d) = ql.shape().dims3()?;
-        if kl.shape() != ql.shape() || vl.shape() != ql.shape() || d % self.heads != 0 {
-            candle_core::bail!("self-attention: q {:?}, k {:?}, v {:?}, {} heads", ql.shape(), kl.shape(), vl.shape(), self.heads);
-        }
-        let (h, hd) = (self.heads, d / self.heads);
-        let mut out = vec![0f32; b * len * d];
-        let dst = OutPtr(out.as_mut_ptr());
-        let d_s = d as isize;
-        if let Some(lens) = &self.lens {
-            if lens.len() != b || lens.iter().any(|&n| n == 0 || n > len) {
-                candle_core::bail!("self-attention: lengths {lens:?} for {b} windows of {len}");
-            }
-        }
-        (0..b * h).into_par_iter().for_each_init(
-            || vec![0f32; len * len],
-            |scores, pair| {
-                let n = self.lens.as_ref().map_or(len, |l| l[pair / h]);
-                let n_s = n as isize;
-                // Head `hi` of window `bi`: rows of `len`, columns `hi * hd ..` with row stride d;
-                // only its first `n` rows take part.
-                let base = (pair / h) * len * d + (pair % h) * hd;
-                // SAFETY: every pointer and stride stays inside its buffer: q/k/v/out hold
-                // `b * len * d` elements and a head spans rows `0..n <= len` and columns
-                // `base..base + hd` of its window; `scores` holds `len * len >= n * n`.
-                unsafe {
-                    // scores (n x n) = q_head (n x hd) . k_headᵀ (hd x n)
-                    gemm::gemm(
-                        n, n, hd, scores.as_mut_ptr(), 1, n_s, false,
-                        q.as_ptr().add(base), 1, d_s,
-                        k.as_ptr().add(base), d_s, 1,
-                        0.0, 1.0, false, false, false, gemm::Parallelism::None,
-                    );
-                }
-                for row in scores[..n * n].chunks_exact_mut(n) {
-                    cpu_kernels::softmax_in_place(row);
-                }
-                // SAFETY: as above; this task alone writes this head's block of `out`.
-                unsafe {
-                    // out_head (n x hd) = scores (n x n) . v_head (n x hd)
-                    gemm::gemm(
-                        n, hd, n, dst.at(base), 1, d_s, false,
-                        scores.as_ptr(), 1, n_s,
-                        v.as_ptr().add(base), 1, d_s,
-                        0.0, 1.0, false, false, false, gemm::Parallelism::None,
-                    );
-                }
-            },
-        );
-        Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
 }
 
@@ -227,7 +127,7 @@ impl Encoder {
     }
 
     /// Whether [`Encoder::forward`] takes windows of different lengths in one batch (the CPU in
-    /// F32, where attention is [`SelfAttention`]).
+    /// F32, where attention is [`self_attention`]).
     pub fn takes_lengths(&self) -> bool {
         self.positions.device().is_cpu() && self.positions.dtype() == candle_core::DType::F32
     }
@@ -249,8 +149,7 @@ impl Encoder {
             let y = block.attn_ln.forward(&x)?;
             let (q, k, v) = (block.q.forward(&y)?, block.k.forward(&y)?, block.v.forward(&y)?);
             let o = if self.takes_lengths() {
-                let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-                q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads: h, lens: lens.map(<[usize]>::to_vec) })?
+                self_attention(&q, &k, &v, h, lens)?
             } else {
                 if lens.is_some() {
                     candle_core::bail!("this encoder takes windows of one length per batch");

@@ -1,0 +1,128 @@
+//! BERT encoder on the CPU: the maths of candle-transformers' `BertModel` (post-norm layers,
+//! exact GELU, absolute positions), run the way tern runs Whisper's encoder.
+//!
+//! On candle's model, one 17-token text spent a third of its time in gemm re-packing each
+//! transposed weight matrix ([`crate::linear::Linear`] reads them in place for few rows), and
+//! its attention materialised padded scores per head; here attention is
+//! [`crate::self_attention::self_attention`], over each text's own tokens, with the scale
+//! folded into the query weights, the three projections are one product, and GELU runs on
+//! both cores ([`crate::cpu_kernels`]). Other devices and other BERT variants use candle's
+//! model (see `embed.rs`).
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
+use candle_nn::{LayerNorm, VarBuilder};
+use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
+use rayon::prelude::*;
+
+use crate::cpu_kernels;
+use crate::linear::{linear, Linear};
+use crate::self_attention::{contiguous_f32, self_attention};
+
+struct Layer {
+    /// Query, key and value stacked `(3 d, d)`; the query rows scaled by `head_dim^-0.5`.
+    qkv: Linear,
+    out: Linear,
+    attn_ln: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
+    out_ln: LayerNorm,
+}
+
+/// A BERT encoder in F32 on the CPU.
+pub(crate) struct Bert {
+    word: Tensor,
+    position: Tensor,
+    /// Token type 0's embedding `(d)`: sentence embeddings use one segment.
+    token_type: Tensor,
+    emb_ln: LayerNorm,
+    layers: Vec<Layer>,
+    heads: usize,
+}
+
+fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+    Ok(LayerNorm::new(vb.get(size, "weight")?, vb.get(size, "bias")?, eps))
+}
+
+struct ParallelGeluErf;
+
+impl CustomOp1 for ParallelGeluErf {
+    fn name(&self) -> &'static str {
+        "parallel-gelu-erf"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        const CHUNK: usize = 16 * 1024;
+        let src = contiguous_f32(storage, layout)?;
+        let mut dst = vec![0f32; src.len()];
+        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| cpu_kernels::gelu_erf_slice(d, s));
+        Ok((CpuStorage::F32(dst), layout.shape().clone()))
+    }
+}
+
+impl Bert {
+    /// Loads `embeddings.*` and `encoder.layer.N.*` (or the same under `bert.`) in F32 on the
+    /// CPU; `None` for a configuration this code does not cover (an activation other than
+    /// exact GELU, relative positions), which candle's model then runs.
+    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Option<Bert>> {
+        if !vb.device().is_cpu()
+            || vb.dtype() != DType::F32
+            || cfg.hidden_act != HiddenAct::Gelu
+            || cfg.position_embedding_type != PositionEmbeddingType::Absolute
+            || cfg.num_attention_heads == 0
+            || cfg.hidden_size % cfg.num_attention_heads != 0
+        {
+            return Ok(None);
+        }
+        let vb = if vb.contains_tensor("embeddings.word_embeddings.weight") { vb } else { vb.pp("bert") };
+        let (d, eps) = (cfg.hidden_size, cfg.layer_norm_eps);
+        let scale = ((d / cfg.num_attention_heads) as f64).powf(-0.5);
+        let e = vb.pp("embeddings");
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let l = vb.pp(format!("encoder.layer.{i}"));
+                let a = l.pp("attention.self");
+                let weight = Tensor::cat(
+                    &[(a.get((d, d), "query.weight")? * scale)?, a.get((d, d), "key.weight")?, a.get((d, d), "value.weight")?],
+                    0,
+                )?;
+                let bias =
+                    Tensor::cat(&[(a.get(d, "query.bias")? * scale)?, a.get(d, "key.bias")?, a.get(d, "value.bias")?], 0)?;
+                Ok(Layer {
+                    qkv: Linear::new(weight, Some(bias)),
+                    out: linear(d, d, l.pp("attention.output.dense"))?,
+                    attn_ln: layer_norm(d, eps, l.pp("attention.output.LayerNorm"))?,
+                    fc1: linear(d, cfg.intermediate_size, l.pp("intermediate.dense"))?,
+                    fc2: linear(cfg.intermediate_size, d, l.pp("output.dense"))?,
+                    out_ln: layer_norm(d, eps, l.pp("output.LayerNorm"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Bert {
+            word: e.get((cfg.vocab_size, d), "word_embeddings.weight")?,
+            position: e.get((cfg.max_position_embeddings, d), "position_embeddings.weight")?,
+            token_type: e.get((cfg.type_vocab_size, d), "token_type_embeddings.weight")?.get(0)?,
+            emb_ln: layer_norm(d, eps, e.pp("LayerNorm"))?,
+            layers,
+            heads: cfg.num_attention_heads,
+        }))
+    }
+
+    /// Hidden states `(batch, len, d)` of token ids `(batch, len)` (u32), text `b` being its
+    /// first `lens[b]` tokens and the rest padding (whose states are not meaningful).
+    pub fn forward(&self, ids: &Tensor, lens: &[usize]) -> Result<Tensor> {
+        let (b, len) = ids.dims2()?;
+        let d = self.word.dim(1)?;
+        let x = self.word.index_select(&ids.flatten_all()?, 0)?.reshape((b, len, d))?;
+        let x = x.broadcast_add(&self.position.narrow(0, 0, len)?)?.broadcast_add(&self.token_type)?;
+        let mut x = self.emb_ln.forward(&x)?;
+        for layer in &self.layers {
+            let qkv = layer.qkv.forward(&x)?;
+            let (q, k, v) = (qkv.narrow(2, 0, d)?, qkv.narrow(2, d, d)?, qkv.narrow(2, 2 * d, d)?);
+            let attended = self_attention(&q, &k, &v, self.heads, Some(lens))?;
+            x = layer.attn_ln.forward(&(layer.out.forward(&attended)? + &x)?)?;
+            let hidden = layer.fc1.forward(&x)?.contiguous()?.apply_op1_no_bwd(&ParallelGeluErf)?;
+            x = layer.out_ln.forward(&(layer.fc2.forward(&hidden)? + &x)?)?;
+        }
+        Ok(x)
+    }
+}
