@@ -15,6 +15,7 @@ pub mod allocator;
 pub mod audio;
 mod bert;
 mod cpu_kernels;
+pub mod cpu_threads;
 mod linear;
 mod self_attention;
 pub mod embed;

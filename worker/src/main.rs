@@ -164,9 +164,14 @@ fn default_worker_id() -> String {
     format!("{host}-{}-{}", std::process::id(), &suffix[suffix.len() - 6..])
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // Both change process-wide settings, so they run before the runtime starts its threads.
     tern_models::allocator::keep_freed_memory();
+    tern_models::cpu_threads::settle_thread_count();
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tern_jobs::logging::init(&cli.services.log);
     let kinds: Vec<JobKind> = if cli.kinds.is_empty() {

@@ -107,6 +107,7 @@ fn progress(len: usize, msg: String) -> Result<ProgressBar> {
 
 fn main() -> Result<()> {
     tern_models::allocator::keep_freed_memory();
+    tern_models::cpu_threads::settle_thread_count();
     let args = Args::parse();
     let dir = expand_home(&args.models_dir);
     let device = parse_device(&args.device)?;
