@@ -6,6 +6,8 @@
 //! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template.
 //! - [`wer`]: word error rate, to check transcripts against references.
 //! - [`precision`]: Whisper's precision: F32 on the CPU, F16 (or BF16) on GPUs.
+//! - [`cpu_threads`] and `allocator` (feature `allocator`): process settings that the binaries
+//!   running models make first thing in `main`.
 //!
 //! Everything runs on the CPU by default (pass another candle `Device` to
 //! [`whisper::Whisper::load_ct2`] to change that); no network access is needed at run time.
