@@ -6,17 +6,15 @@
 //! its attention materialised padded scores per head; here attention is
 //! [`crate::self_attention::self_attention`], over each text's own tokens, with the scale
 //! folded into the query weights, the three projections are one product, and GELU runs on
-//! both cores ([`crate::cpu_kernels`]). Other devices and other BERT variants use candle's
+//! both cores ([`crate::cpu_ops`]). Other devices and other BERT variants use candle's
 //! model (see `embed.rs`).
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{LayerNorm, VarBuilder};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
-use rayon::prelude::*;
-
-use crate::cpu_kernels;
+use crate::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, Linear};
-use crate::self_attention::{contiguous_f32, self_attention};
+use crate::self_attention::self_attention;
 
 struct Layer {
     /// Query, key and value stacked `(3 d, d)`; the query rows scaled by `head_dim^-0.5`.
@@ -41,22 +39,6 @@ pub(crate) struct Bert {
 
 fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
     Ok(LayerNorm::new(vb.get(size, "weight")?, vb.get(size, "bias")?, eps))
-}
-
-struct ParallelGeluErf;
-
-impl CustomOp1 for ParallelGeluErf {
-    fn name(&self) -> &'static str {
-        "parallel-gelu-erf"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        const CHUNK: usize = 16 * 1024;
-        let src = contiguous_f32(storage, layout)?;
-        let mut dst = vec![0f32; src.len()];
-        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| cpu_kernels::gelu_erf_slice(d, s));
-        Ok((CpuStorage::F32(dst), layout.shape().clone()))
-    }
 }
 
 impl Bert {
@@ -120,7 +102,7 @@ impl Bert {
             let (q, k, v) = (qkv.narrow(2, 0, d)?, qkv.narrow(2, d, d)?, qkv.narrow(2, 2 * d, d)?);
             let attended = self_attention(&q, &k, &v, self.heads, Some(lens))?;
             x = layer.attn_ln.forward(&(layer.out.forward(&attended)? + &x)?)?;
-            let hidden = layer.fc1.forward(&x)?.contiguous()?.apply_op1_no_bwd(&ParallelGeluErf)?;
+            let hidden = gelu(&layer.fc1.forward(&x)?, Gelu::Erf)?;
             x = layer.out_ln.forward(&(layer.fc2.forward(&hidden)? + &x)?)?;
         }
         Ok(x)

@@ -5,14 +5,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu_kernels;
-
-/// A contiguous f32 CPU tensor's elements.
-pub(crate) fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("expected a contiguous tensor".into()))?;
-    Ok(&storage.as_slice::<f32>()?[start..end])
-}
+use crate::cpu_ops::contiguous_f32;
 
 /// Softmax attention of `q`, `k`, `v` (f32 on the CPU), each `(batch, len, heads * head_dim)`,
 /// queries already scaled; sequence `b` attends over its first `lens[b]` positions (all

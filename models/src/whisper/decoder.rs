@@ -107,17 +107,15 @@ pub(crate) struct KvCache {
 impl KvCache {
     /// The cache of the given batch rows, in that order.
     pub fn select(&self, rows: &[usize]) -> Result<KvCache> {
+        let Some((k0, _)) = self.layers.iter().flatten().next() else {
+            return Ok(KvCache { layers: self.layers.clone(), len: self.len });
+        };
+        let index = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), k0.device())?;
         let layers = self
             .layers
             .iter()
             .map(|layer| {
-                layer
-                    .as_ref()
-                    .map(|(k, v)| {
-                        let index = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), k.device())?;
-                        Ok((k.index_select(&index, 0)?, v.index_select(&index, 0)?))
-                    })
-                    .transpose()
+                layer.as_ref().map(|(k, v)| Ok((k.index_select(&index, 0)?, v.index_select(&index, 0)?))).transpose()
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache { layers, len: self.len })

@@ -3,45 +3,15 @@
 //!
 //! Profiled on candle's encoder, GELU (a single-threaded `tanhf` map) took 14% of the time and
 //! the attention softmax's `expf` 11%; here GELU runs on every core with a polynomial `exp`
-//! that the compiler vectorises ([`crate::cpu_kernels`]), and attention is one fused pass per
+//! that the compiler vectorises ([`crate::cpu_ops`]), and attention is one fused pass per
 //! (window, head) ([`self_attention`]). The attention scale is folded into the query weights at
 //! load instead of scaling queries and keys on every pass. Other devices use candle's ops.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Module, Result, Shape, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 use candle_transformers::models::whisper::Config;
-use rayon::prelude::*;
-
-use crate::cpu_kernels;
+use crate::cpu_ops::{gelu, Gelu};
 use crate::self_attention::self_attention;
-
-/// Elements per parallel task: large enough to amortise the hand-off.
-const CHUNK: usize = 16 * 1024;
-
-use crate::self_attention::contiguous_f32;
-
-struct ParallelGelu;
-
-impl CustomOp1 for ParallelGelu {
-    fn name(&self) -> &'static str {
-        "parallel-gelu"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let src = contiguous_f32(storage, layout)?;
-        let mut dst = vec![0f32; src.len()];
-        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| cpu_kernels::gelu_slice(d, s));
-        Ok((CpuStorage::F32(dst), layout.shape().clone()))
-    }
-}
-
-fn parallel_gelu(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
-        x.contiguous()?.apply_op1_no_bwd(&ParallelGelu)
-    } else {
-        x.gelu()
-    }
-}
 
 fn layer_norm(size: usize, vb: VarBuilder) -> Result<LayerNorm> {
     Ok(LayerNorm::new(vb.get(size, "weight")?, vb.get(size, "bias")?, 1e-5))
@@ -138,8 +108,8 @@ impl Encoder {
     /// and its positions up to there come out as they would alone; the rest is padding.
     pub fn forward(&self, mel: &Tensor, lens: Option<&[usize]>) -> Result<Tensor> {
         let mel = mel.to_dtype(self.positions.dtype())?;
-        let x = parallel_gelu(&self.conv1.forward(&mel)?)?;
-        let x = parallel_gelu(&self.conv2.forward(&x)?)?;
+        let x = gelu(&self.conv1.forward(&mel)?, Gelu::Tanh)?;
+        let x = gelu(&self.conv2.forward(&x)?, Gelu::Tanh)?;
         let x = x.transpose(1, 2)?;
         let (b, len, d) = x.dims3()?;
         let mut x = x.broadcast_add(&self.positions.narrow(0, 0, len)?)?;
@@ -160,7 +130,7 @@ impl Encoder {
             };
             x = (x + block.out.forward(&o)?)?;
             let y = block.mlp_ln.forward(&x)?;
-            x = (&x + block.fc2.forward(&parallel_gelu(&block.fc1.forward(&y)?)?)?)?;
+            x = (&x + block.fc2.forward(&gelu(&block.fc1.forward(&y)?, Gelu::Tanh)?)?)?;
         }
         self.ln_post.forward(&x)
     }
