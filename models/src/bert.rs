@@ -10,7 +10,7 @@
 //! model (see `embed.rs`).
 
 use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::{LayerNorm, VarBuilder};
+use candle_nn::{layer_norm, LayerNorm, VarBuilder};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
 use crate::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, Linear};
@@ -35,10 +35,6 @@ pub(crate) struct Bert {
     emb_ln: LayerNorm,
     layers: Vec<Layer>,
     heads: usize,
-}
-
-fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
-    Ok(LayerNorm::new(vb.get(size, "weight")?, vb.get(size, "bias")?, eps))
 }
 
 impl Bert {

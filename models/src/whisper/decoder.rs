@@ -8,17 +8,12 @@
 //! token embedding.
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
-use candle_nn::{LayerNorm, VarBuilder};
+use candle_nn::{layer_norm, LayerNorm, VarBuilder};
 use candle_transformers::models::whisper::Config;
 
 use super::attention::{self, KeyLayout};
+use super::LAYER_NORM_EPS;
 use crate::linear::{linear, linear_no_bias, Linear};
-
-fn layer_norm(size: usize, vb: VarBuilder) -> Result<LayerNorm> {
-    let weight = vb.get(size, "weight")?;
-    let bias = vb.get(size, "bias")?;
-    Ok(LayerNorm::new(weight, bias, 1e-5))
-}
 
 struct Attention {
     q: Linear,
@@ -156,16 +151,16 @@ impl Decoder {
                 let vb = vb.pp(format!("layers.{i}"));
                 Ok(Layer {
                     self_attn: Attention::load(n_state, vb.pp("self_attn"))?,
-                    self_ln: layer_norm(n_state, vb.pp("self_attn_layer_norm"))?,
+                    self_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("self_attn_layer_norm"))?,
                     cross_attn: Attention::load(n_state, vb.pp("encoder_attn"))?,
-                    cross_ln: layer_norm(n_state, vb.pp("encoder_attn_layer_norm"))?,
+                    cross_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("encoder_attn_layer_norm"))?,
                     fc1: linear(n_state, 4 * n_state, vb.pp("fc1"))?,
                     fc2: linear(4 * n_state, n_state, vb.pp("fc2"))?,
-                    mlp_ln: layer_norm(n_state, vb.pp("final_layer_norm"))?,
+                    mlp_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("final_layer_norm"))?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let ln = layer_norm(n_state, vb.pp("layer_norm"))?;
+        let ln = layer_norm(n_state, LAYER_NORM_EPS, vb.pp("layer_norm"))?;
         let head_dim = n_state / n_head;
         Ok(Decoder {
             embed_tokens,

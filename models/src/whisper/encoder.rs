@@ -8,14 +8,12 @@
 //! load instead of scaling queries and keys on every pass. Other devices use candle's ops.
 
 use candle_core::{Module, Result, Tensor};
-use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
+use candle_nn::{layer_norm, Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 use candle_transformers::models::whisper::Config;
+
+use super::LAYER_NORM_EPS;
 use crate::cpu_ops::{gelu, Gelu};
 use crate::self_attention::self_attention;
-
-fn layer_norm(size: usize, vb: VarBuilder) -> Result<LayerNorm> {
-    Ok(LayerNorm::new(vb.get(size, "weight")?, vb.get(size, "bias")?, 1e-5))
-}
 
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
     let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
@@ -75,12 +73,12 @@ impl Encoder {
                     Some((a.get(d, "q_proj.bias")? * scale)?),
                 );
                 Ok(Block {
-                    attn_ln: layer_norm(d, vb.pp("self_attn_layer_norm"))?,
+                    attn_ln: layer_norm(d, LAYER_NORM_EPS, vb.pp("self_attn_layer_norm"))?,
                     q,
                     k: candle_nn::linear_no_bias(d, d, a.pp("k_proj"))?,
                     v: candle_nn::linear(d, d, a.pp("v_proj"))?,
                     out: candle_nn::linear(d, d, a.pp("out_proj"))?,
-                    mlp_ln: layer_norm(d, vb.pp("final_layer_norm"))?,
+                    mlp_ln: layer_norm(d, LAYER_NORM_EPS, vb.pp("final_layer_norm"))?,
                     fc1: candle_nn::linear(d, 4 * d, vb.pp("fc1"))?,
                     fc2: candle_nn::linear(4 * d, d, vb.pp("fc2"))?,
                 })
@@ -91,7 +89,7 @@ impl Encoder {
             conv2: conv1d(d, d, 2, vb.pp("conv2"))?,
             positions: sinusoids(cfg.max_source_positions, d, vb.device())?.to_dtype(vb.dtype())?,
             blocks,
-            ln_post: layer_norm(d, vb.pp("layer_norm"))?,
+            ln_post: layer_norm(d, LAYER_NORM_EPS, vb.pp("layer_norm"))?,
             n_head,
         })
     }

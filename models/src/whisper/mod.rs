@@ -28,6 +28,8 @@ const WINDOW_SECONDS: f64 = m::CHUNK_LENGTH as f64;
 /// Windows encoded and decoded together (bounds memory: ~20 MB of cross-attention keys/values
 /// per window for tiny, more for larger models).
 const DECODE_BATCH: usize = 8;
+/// Epsilon of every Whisper layer norm (OpenAI's `model.py`).
+const LAYER_NORM_EPS: f64 = 1e-5;
 /// Seconds per timestamp token.
 const TIMESTAMP_STEP: f64 = 0.02;
 
