@@ -75,7 +75,10 @@ async fn schemathesis_finds_no_server_error_and_no_response_that_breaks_the_sche
         .arg(cluster.url("/openapi.json"))
         .args(["--header", &format!("Authorization: Bearer {}", cluster.api_key)])
         .args(["--checks", "not_a_server_error,response_schema_conformance,content_type_conformance"])
-        .args(["--max-examples", "30", "--seed", "7", "--workers", "2"])
+        // One worker: with two, hypothesis ran `ast.parse` from two threads at once and a CI run
+        // crashed inside CPython 3.11's ast module ("AST constructor recursion depth mismatch",
+        // a runtime error of the tool, not a finding). The cases and checks are the same.
+        .args(["--max-examples", "30", "--seed", "7", "--workers", "1"])
         .args(["--phases", "examples,coverage,fuzzing"])
         // Revoking keys is fuzzed too, and the run's own key can be among those it finds.
         .args(["--exclude-operation-id", "admin_revoke_key"])
