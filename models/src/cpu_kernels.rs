@@ -127,6 +127,13 @@ fn axpy_generic(acc: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
+#[inline(always)]
+fn silu_mul_generic(dst: &mut [f32], gate: &[f32], up: &[f32]) {
+    for ((d, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
+        *d = g / (1.0 + fast_exp(-g)) * u;
+    }
+}
+
 /// The widest instruction set this CPU runs, detected once.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -192,6 +199,10 @@ dispatched!(
 dispatched!(
     /// `Σ a[i] * b[i]` over the shorter of the two slices.
     dot(a: &[f32], b: &[f32]) -> f32 = dot_generic
+);
+dispatched!(
+    /// `dst[i] = silu(gate[i]) * up[i]` (llama's gated feed-forward) over the shortest slice.
+    silu_mul(dst: &mut [f32], gate: &[f32], up: &[f32]) = silu_mul_generic
 );
 dispatched!(
     /// `acc[i] += w * x[i]` over the shorter of the two slices.

@@ -3,7 +3,8 @@
 //! - [`audio`]: probe and decode uploads (WAV/FLAC/MP3/OGG-Vorbis) to 16 kHz mono PCM.
 //! - [`whisper`]: Whisper on candle, loaded straight from faster-whisper (CTranslate2) folders.
 //! - [`embed`]: sentence embeddings with BERT-family encoders (all-MiniLM-L6-v2).
-//! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template.
+//! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template,
+//!   on tern's own llama forward pass over the file's quantized blocks on the CPU.
 //! - [`wer`]: word error rate, to check transcripts against references.
 //! - [`precision`]: Whisper's precision: F32 on the CPU, F16 (or BF16) on GPUs.
 //! - [`cpu_threads`] and `allocator` (feature `allocator`): process settings that the binaries
@@ -20,6 +21,7 @@ mod cpu_kernels;
 mod cpu_ops;
 pub mod cpu_threads;
 mod linear;
+mod quantized;
 mod self_attention;
 pub mod embed;
 pub mod generate;

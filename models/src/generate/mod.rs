@@ -18,6 +18,9 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
+
+mod llama;
+use llama::{Llama, Segment};
 use serde::{Deserialize, Serialize};
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -33,6 +36,9 @@ pub const DEFAULT_TEMPERATURE: f64 = 0.7;
 pub const MAX_STOP_SEQUENCES: usize = 4;
 /// Context length assumed when the GGUF metadata does not state `llama.context_length`.
 pub const DEFAULT_CONTEXT_LENGTH: usize = 2048;
+/// Most positions tern's forward pass offers: 32,768 (its rotary tables take 4 bytes per
+/// position and head dimension, 8 MB at this length for 64-wide heads).
+pub const MAX_CONTEXT_LENGTH: usize = 32_768;
 
 /// Prompt tokens fed to the model per forward pass while reading the prompt. Attention scores
 /// take `heads x chunk x context` floats per layer, so chunking bounds memory for long prompts
@@ -209,16 +215,24 @@ impl GenerateError {
 
 /// A loaded model with its tokenizer.
 pub struct Llm {
-    /// Weights with an empty KV cache. Each request works on a clone: the tensors are shared
-    /// (reference counted), while the KV cache and the attention-mask cache (which
-    /// `quantized_llama` keeps per prompt length and never clears) die with the request.
-    weights: ModelWeights,
+    weights: Weights,
     tokenizer: Tokenizer,
     device: Device,
     /// Tokens that end the answer: `<|im_end|>` and the metadata's EOS.
     end_ids: Vec<u32>,
     context_length: usize,
     weights_bytes: u64,
+}
+
+/// The forward pass that serves a model.
+enum Weights {
+    /// tern's own, on the CPU over the file's quantized blocks (see [`llama`]).
+    Tern(Llama),
+    /// candle's `quantized_llama`, on GPUs and for the quantizations tern's lacks. Weights with
+    /// an empty KV cache: each request works on a clone, so the tensors are shared (reference
+    /// counted) while the KV cache and the attention-mask cache (which `quantized_llama` keeps
+    /// per prompt length and never clears) die with the request.
+    Candle(ModelWeights),
 }
 
 impl Llm {
@@ -228,6 +242,10 @@ impl Llm {
     /// Supports llama-architecture GGUFs whose vocabulary is GPT-2 style byte-level BPE
     /// (`tokenizer.ggml.model = "gpt2"`); the pre-tokenizer is SmolLM's (single digits, then
     /// byte-level without a prefix space), so other BPE vocabularies may tokenise differently.
+    ///
+    /// On the CPU, models whose matrices are all Q4_0, Q4_1 or Q8_0 run on tern's own forward
+    /// pass (several times faster, and requests decode together in [`Llm::generate_batch`]);
+    /// other devices and quantizations run on candle's `quantized_llama`.
     pub fn load_gguf(dir_or_file: &Path, device: &Device) -> Result<Llm> {
         let path = if dir_or_file.is_dir() {
             dir_or_file.join("model.gguf")
@@ -268,12 +286,27 @@ impl Llm {
             );
         }
 
+        let stated_context = metadata_int(&content, "llama.context_length")
+            .and_then(|v| usize::try_from(v).ok())
+            .unwrap_or(DEFAULT_CONTEXT_LENGTH);
+        if device.is_cpu() {
+            let context_length = stated_context.min(MAX_CONTEXT_LENGTH);
+            let llama = Llama::from_gguf(&content, &mut reader, context_length)
+                .with_context(|| format!("loading the weights of {}", path.display()))?;
+            if let Some(llama) = llama {
+                return Ok(Llm {
+                    weights_bytes: llama.bytes(),
+                    weights: Weights::Tern(llama),
+                    tokenizer,
+                    device: device.clone(),
+                    end_ids,
+                    context_length,
+                });
+            }
+        }
         // The RoPE tables of quantized_llama stop at MAX_SEQ_LEN (4096) positions, below
         // SmolLM2's stated 8192: positions past them would fail, so they are not offered.
-        let context_length = metadata_int(&content, "llama.context_length")
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(DEFAULT_CONTEXT_LENGTH)
-            .min(MAX_SEQ_LEN);
+        let context_length = stated_context.min(MAX_SEQ_LEN);
         let slow: Vec<&str> = content
             .tensor_infos
             .iter()
@@ -284,7 +317,7 @@ impl Llm {
             let bytes = resident_bytes(&content);
             (ModelWeights::from_gguf(content, &mut reader, device), bytes)
         } else {
-            let gguf = requantize(&content, &mut reader, &slow)
+            let gguf = requantize(&content, &mut reader, &slow, GgmlDType::Q8_0)
                 .with_context(|| format!("re-quantizing {} to Q8_0", path.display()))?;
             let mut cursor = std::io::Cursor::new(gguf);
             let content = Content::read(&mut cursor)?;
@@ -293,7 +326,7 @@ impl Llm {
         };
         let weights = weights.with_context(|| format!("loading the weights of {}", path.display()))?;
         Ok(Llm {
-            weights,
+            weights: Weights::Candle(weights),
             tokenizer,
             device: device.clone(),
             end_ids,
@@ -309,14 +342,16 @@ impl Llm {
     }
 
     /// Most tokens a request may span, prompt plus `max_tokens`: the metadata's
-    /// `llama.context_length` (default [`DEFAULT_CONTEXT_LENGTH`], 2048), capped at 4096, the
-    /// longest candle's `quantized_llama` supports.
+    /// `llama.context_length` (default [`DEFAULT_CONTEXT_LENGTH`], 2048), capped at
+    /// [`MAX_CONTEXT_LENGTH`] (32,768) on tern's forward pass and at 4096, the longest it
+    /// supports, on candle's.
     pub fn context_length(&self) -> usize {
         self.context_length
     }
 
     /// Approximate memory the weights take once loaded, in bytes: the tensors as stored in
-    /// the file, plus the f32 copy of the token embeddings that candle makes for the lookup.
+    /// the file, plus, with candle's forward pass, the f32 copy of the token embeddings that
+    /// candle makes for the lookup (tern's looks rows up in the quantized matrix).
     /// The per-request KV cache is not included (about 46 KB per token for SmolLM2-135M:
     /// 30 layers x keys and values x 3 heads x 64 floats).
     pub fn weights_bytes(&self) -> u64 {
@@ -358,6 +393,110 @@ impl Llm {
         opts: &GenerateOptions,
         on_text: &mut dyn FnMut(&str, usize) -> bool,
     ) -> Result<Generation> {
+        let request = GenerationRequest { prompt, options: opts, on_text };
+        self.generate_batch(vec![request]).pop().expect("one result per request")
+    }
+
+    /// Serves several requests at once and returns their results in order, each as
+    /// [`Llm::generate`] would give it alone: the same text for the same seed, and a request
+    /// that fails or is canceled leaves the others running.
+    ///
+    /// On the CPU (tern's own forward pass, see [`Llm::load_gguf`]) each prompt is read on its
+    /// own, then the requests decode together: one pass through the weights per step serves
+    /// every request still running, which is where batching pays, since a step of one request
+    /// is bound by reading the weights. With candle's forward pass they run one after another.
+    pub fn generate_batch(&self, requests: Vec<GenerationRequest<'_>>) -> Vec<Result<Generation>> {
+        let mut results: Vec<Option<Result<Generation>>> = (0..requests.len()).map(|_| None).collect();
+        match &self.weights {
+            Weights::Tern(llama) => {
+                // (request index, its state, its cache, the token to feed next)
+                let mut live = Vec::new();
+                for (i, request) in requests.into_iter().enumerate() {
+                    let started = self.start(request).and_then(|(mut seq, ids)| {
+                        let mut cache = llama.new_cache(ids.len() + seq.opts.max_tokens);
+                        let mut logits = Vec::new();
+                        for chunk in ids.chunks(PREFILL_CHUNK) {
+                            logits = llama.forward(chunk, &mut cache)?;
+                        }
+                        let step = seq.step(self, &self.logits_tensor(logits)?)?;
+                        Ok((seq, cache, step))
+                    });
+                    match started {
+                        Ok((seq, cache, Step::Next(token))) => live.push((i, seq, cache, token)),
+                        Ok((_, _, Step::Done(generation))) => results[i] = Some(Ok(generation)),
+                        Err(e) => results[i] = Some(Err(e)),
+                    }
+                }
+                while !live.is_empty() {
+                    let tokens: Vec<[u32; 1]> = live.iter().map(|l| [l.3]).collect();
+                    let mut segments: Vec<Segment<'_>> = live
+                        .iter_mut()
+                        .zip(&tokens)
+                        .map(|(l, t)| Segment { tokens: t, cache: &mut l.2 })
+                        .collect();
+                    let logits = llama.forward_batch(&mut segments);
+                    drop(segments);
+                    let logits = match logits {
+                        Ok(l) => l,
+                        Err(e) => {
+                            for (i, ..) in live.drain(..) {
+                                results[i] = Some(Err(anyhow!("{e:#}")));
+                            }
+                            break;
+                        }
+                    };
+                    let mut still = Vec::with_capacity(live.len());
+                    for ((i, mut seq, cache, _), logits) in live.into_iter().zip(logits) {
+                        match self.logits_tensor(logits).and_then(|l| seq.step(self, &l)) {
+                            Ok(Step::Next(token)) => still.push((i, seq, cache, token)),
+                            Ok(Step::Done(generation)) => results[i] = Some(Ok(generation)),
+                            Err(e) => results[i] = Some(Err(e)),
+                        }
+                    }
+                    live = still;
+                }
+            }
+            Weights::Candle(weights) => {
+                for (i, request) in requests.into_iter().enumerate() {
+                    results[i] = Some(self.start(request).and_then(|(seq, ids)| self.run_with_candle(weights, seq, &ids)));
+                }
+            }
+        }
+        results.into_iter().map(|r| r.expect("every request settled")).collect()
+    }
+
+    /// One request through candle's `quantized_llama`.
+    fn run_with_candle(&self, weights: &ModelWeights, mut seq: Decoding<'_>, ids: &[u32]) -> Result<Generation> {
+        // A fresh KV cache per request. (quantized_llama also drops its cache when a forward
+        // starts at index_pos 0, but the mask cache would keep growing across requests.)
+        let mut model = weights.clone();
+        let forward = |model: &mut ModelWeights, ids: &[u32], pos: usize| -> Result<Tensor> {
+            let input = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
+            // (batch, vocab) logits for the last position.
+            Ok(model.forward(&input, pos)?.squeeze(0)?)
+        };
+        let mut logits = None;
+        for (i, chunk) in ids.chunks(PREFILL_CHUNK).enumerate() {
+            logits = Some(forward(&mut model, chunk, i * PREFILL_CHUNK)?);
+        }
+        let mut logits = logits.context("no prompt tokens")?;
+        loop {
+            match seq.step(self, &logits)? {
+                Step::Done(generation) => return Ok(generation),
+                // Prompt positions are 0..prompt_tokens; generated[k] sits at prompt_tokens + k.
+                Step::Next(token) => logits = forward(&mut model, &[token], seq.prompt_tokens + seq.generated.len() - 1)?,
+            }
+        }
+    }
+
+    fn logits_tensor(&self, logits: Vec<f32>) -> Result<Tensor> {
+        let n = logits.len();
+        Ok(Tensor::from_vec(logits, n, &Device::Cpu)?)
+    }
+
+    /// Checks a request and renders its prompt.
+    fn start<'a>(&self, request: GenerationRequest<'a>) -> Result<(Decoding<'a>, Vec<u32>)> {
+        let GenerationRequest { prompt, options: opts, on_text } = request;
         opts.validate()?;
         if matches!(prompt, Prompt::Chat(m) if m.is_empty()) {
             return Err(GenerateError::EmptyPrompt.into());
@@ -375,71 +514,17 @@ impl Llm {
             }
             .into());
         }
-
-        // A fresh KV cache per request. (quantized_llama also drops its cache when a forward
-        // starts at index_pos 0, but the mask cache would keep growing across requests.)
-        let mut model = self.weights.clone();
-        let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
-
-        let mut logits = None;
-        for (i, chunk) in prompt_ids.chunks(PREFILL_CHUNK).enumerate() {
-            let input = Tensor::new(chunk, &self.device)?.unsqueeze(0)?;
-            logits = Some(model.forward(&input, i * PREFILL_CHUNK)?);
-        }
-        let mut logits = logits.context("no prompt tokens")?;
-
-        let max_stop = opts.stop.iter().map(String::len).max().unwrap_or(0);
-        let mut generated: Vec<u32> = Vec::with_capacity(opts.max_tokens);
-        let mut text = IncrementalText::default();
-        // Length of the text already searched for stop sequences and found settled.
-        let mut searched: usize = 0;
-        let mut finish_reason = FinishReason::Length;
-        let mut stop_at = None;
-        while generated.len() < opts.max_tokens {
-            // forward gives (batch, vocab) logits for the last position.
-            let next = sampler.sample(&logits.squeeze(0)?)?;
-            if self.end_ids.contains(&next) {
-                finish_reason = FinishReason::Stop;
-                break;
-            }
-            generated.push(next);
-            let so_far = text.update(&self.tokenizer, &generated)?;
-
-            // A new match must end in the new text, so it starts at most max_stop - 1 bytes
-            // before it.
-            let mut from = searched.saturating_sub(max_stop);
-            while !so_far.is_char_boundary(from) {
-                from -= 1;
-            }
-            if let Some(at) = find_stop(so_far, from, &opts.stop) {
-                stop_at = Some(at);
-                finish_reason = FinishReason::Stop;
-                break;
-            }
-            searched = so_far.trim_end_matches(REPLACEMENT).len();
-
-            if !on_text(&so_far[..settled_len(so_far, &opts.stop)], generated.len()) {
-                return Err(GenerateError::Canceled.into());
-            }
-            if generated.len() == opts.max_tokens {
-                // The logits of one more position would not be used.
-                break;
-            }
-            let input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
-            // Prompt positions are 0..prompt_tokens; generated[k] sits at prompt_tokens + k.
-            logits = model.forward(&input, prompt_tokens + generated.len() - 1)?;
-        }
-
-        let mut text = text.into_string();
-        if let Some(at) = stop_at {
-            text.truncate(at);
-        }
-        Ok(Generation {
-            text,
+        let seq = Decoding {
+            opts,
+            on_text,
+            sampler: LogitsProcessor::from_sampling(opts.seed, opts.sampling()),
             prompt_tokens,
-            completion_tokens: generated.len(),
-            finish_reason,
-        })
+            generated: Vec::with_capacity(opts.max_tokens),
+            text: IncrementalText::default(),
+            searched: 0,
+            max_stop: opts.stop.iter().map(String::len).max().unwrap_or(0),
+        };
+        Ok((seq, prompt_ids))
     }
 
     /// Token ids of the rendered prompt.
@@ -468,6 +553,78 @@ impl Llm {
         }
         out.push_str("<|im_start|>assistant\n");
         out
+    }
+}
+
+/// One request of [`Llm::generate_batch`].
+pub struct GenerationRequest<'a> {
+    /// What to continue.
+    pub prompt: &'a Prompt,
+    /// Sampling settings.
+    pub options: &'a GenerateOptions,
+    /// Called after each token, as in [`Llm::generate`]; `false` cancels this request.
+    pub on_text: &'a mut dyn FnMut(&str, usize) -> bool,
+}
+
+/// A request being decoded: its sampler, the tokens and text so far, and its stop checks.
+struct Decoding<'a> {
+    opts: &'a GenerateOptions,
+    on_text: &'a mut dyn FnMut(&str, usize) -> bool,
+    sampler: LogitsProcessor,
+    prompt_tokens: usize,
+    generated: Vec<u32>,
+    text: IncrementalText,
+    /// Length of the text already searched for stop sequences and found settled.
+    searched: usize,
+    /// Longest stop sequence, in bytes.
+    max_stop: usize,
+}
+
+/// What a decoding step decided.
+enum Step {
+    /// Feed this token and go on.
+    Next(u32),
+    Done(Generation),
+}
+
+impl Decoding<'_> {
+    /// Samples the next token from `logits` (the vocabulary's, for the newest position) and
+    /// decides whether the request goes on.
+    fn step(&mut self, llm: &Llm, logits: &Tensor) -> Result<Step> {
+        let next = self.sampler.sample(logits)?;
+        if llm.end_ids.contains(&next) {
+            return Ok(Step::Done(self.finish(FinishReason::Stop, None)));
+        }
+        self.generated.push(next);
+        let so_far = self.text.update(&llm.tokenizer, &self.generated)?;
+
+        // A new match must end in the new text, so it starts at most max_stop - 1 bytes
+        // before it.
+        let mut from = self.searched.saturating_sub(self.max_stop);
+        while !so_far.is_char_boundary(from) {
+            from -= 1;
+        }
+        if let Some(at) = find_stop(so_far, from, &self.opts.stop) {
+            return Ok(Step::Done(self.finish(FinishReason::Stop, Some(at))));
+        }
+        self.searched = so_far.trim_end_matches(REPLACEMENT).len();
+
+        if !(self.on_text)(&so_far[..settled_len(so_far, &self.opts.stop)], self.generated.len()) {
+            return Err(GenerateError::Canceled.into());
+        }
+        if self.generated.len() == self.opts.max_tokens {
+            // The logits of one more position would not be used.
+            return Ok(Step::Done(self.finish(FinishReason::Length, None)));
+        }
+        Ok(Step::Next(next))
+    }
+
+    fn finish(&mut self, finish_reason: FinishReason, stop_at: Option<usize>) -> Generation {
+        let mut text = std::mem::take(&mut self.text).into_string();
+        if let Some(at) = stop_at {
+            text.truncate(at);
+        }
+        Generation { text, prompt_tokens: self.prompt_tokens, completion_tokens: self.generated.len(), finish_reason }
     }
 }
 
@@ -598,17 +755,17 @@ fn tokenizer_from_gguf(content: &Content) -> Result<Tokenizer> {
 /// SmolLM2's: ~17 tokens/s scalar, against several times that for Q8_0 with AVX2).
 const WITHOUT_CPU_KERNEL: [GgmlDType; 4] = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_1];
 
-/// A GGUF image of `content` with the `slow` tensors re-quantized to Q8_0 (which represents
+/// A GGUF image of `content` with the `slow` tensors re-quantized to `dtype` (Q8_0 represents
 /// their values almost exactly: 8 bits per weight against their 4-5). Tensors whose rows are not
 /// a whole number of 32-wide blocks are kept as they are.
-fn requantize<R: std::io::Read + std::io::Seek>(content: &Content, reader: &mut R, slow: &[&str]) -> Result<Vec<u8>> {
+fn requantize<R: std::io::Read + std::io::Seek>(content: &Content, reader: &mut R, slow: &[&str], dtype: GgmlDType) -> Result<Vec<u8>> {
     let cpu = Device::Cpu;
     let mut tensors = Vec::with_capacity(content.tensor_infos.len());
     for name in content.tensor_infos.keys() {
         let t = content.tensor(reader, name, &cpu)?;
         let fits = t.shape().dims().last().is_some_and(|d| d % 32 == 0);
         let t = if slow.contains(&name.as_str()) && fits {
-            QTensor::quantize(&t.dequantize(&cpu)?, GgmlDType::Q8_0)?
+            QTensor::quantize(&t.dequantize(&cpu)?, dtype)?
         } else {
             t
         };
