@@ -134,6 +134,19 @@ fn silu_mul_generic(dst: &mut [f32], gate: &[f32], up: &[f32]) {
     }
 }
 
+#[inline(always)]
+fn attend_generic(q: &[f32], keys: &[f32], values: &[f32], stride: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let d = q.len();
+    for (p, s) in scores.iter_mut().enumerate() {
+        *s = dot_generic(q, &keys[p * stride..p * stride + d]) * scale;
+    }
+    softmax_in_place_generic(scores);
+    out.fill(0.0);
+    for (p, &s) in scores.iter().enumerate() {
+        axpy_generic(out, s, &values[p * stride..p * stride + d]);
+    }
+}
+
 /// The widest instruction set this CPU runs, detected once.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -205,6 +218,13 @@ dispatched!(
     silu_mul(dst: &mut [f32], gate: &[f32], up: &[f32]) = silu_mul_generic
 );
 dispatched!(
+    /// One query's softmax attention over `scores.len()` positions: key and value `p` are the
+    /// `q.len()` values at `p * stride` in `keys` and `values`; `out` (as long as `q`) gets the
+    /// weighted sum, `scores` the weights. In one compiled loop, as the per-position calls of
+    /// [`dot`] and [`axpy`] cost more than their 64-wide arithmetic.
+    attend(q: &[f32], keys: &[f32], values: &[f32], stride: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) = attend_generic
+);
+dispatched!(
     /// `acc[i] += w * x[i]` over the shorter of the two slices.
     axpy(acc: &mut [f32], w: f32, x: &[f32]) = axpy_generic
 );
@@ -235,6 +255,29 @@ mod tests {
         gelu_erf_slice(&mut fast, &xs);
         for ((x, f), e) in xs.iter().zip(&fast).zip(&exact) {
             assert!((f - e).abs() <= 2e-6 * (1.0 + e.abs()), "gelu_erf({x}): {f} vs {e}");
+        }
+    }
+
+    #[test]
+    fn attend_and_silu_mul_match_plain_loops() {
+        let (d, stride, n) = (8usize, 24usize, 5usize);
+        let q: Vec<f32> = (0..d).map(|i| (i as f32 - 3.0) / 4.0).collect();
+        let keys: Vec<f32> = (0..n * stride).map(|i| ((i * 31 % 17) as f32 - 8.0) / 5.0).collect();
+        let values: Vec<f32> = (0..n * stride).map(|i| ((i * 7 % 13) as f32 - 6.0) / 3.0).collect();
+        let (mut scores, mut out) = (vec![0f32; n], vec![0f32; d]);
+        attend(&q, &keys[4..], &values[4..], stride, 0.5, &mut scores, &mut out);
+        let raw: Vec<f32> = (0..n).map(|p| (0..d).map(|i| q[i] * keys[4 + p * stride + i]).sum::<f32>() * 0.5).collect();
+        let total: f32 = raw.iter().map(|s| s.exp()).sum();
+        for i in 0..d {
+            let want: f32 = (0..n).map(|p| raw[p].exp() / total * values[4 + p * stride + i]).sum();
+            assert!((out[i] - want).abs() < 1e-5 * (1.0 + want.abs()), "attend[{i}]: {} vs {want}", out[i]);
+        }
+        let (gate, up) = ([-3.0f32, -0.5, 0.0, 2.0], [1.0f32, 2.0, 3.0, -1.5]);
+        let mut got = [0f32; 4];
+        silu_mul(&mut got, &gate, &up);
+        for i in 0..4 {
+            let want = gate[i] / (1.0 + (-gate[i]).exp()) * up[i];
+            assert!((got[i] - want).abs() < 1e-5, "silu_mul[{i}]: {} vs {want}", got[i]);
         }
     }
 

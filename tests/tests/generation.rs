@@ -62,6 +62,14 @@ async fn generation_is_deterministic_and_stops_where_asked() {
     assert!(answer.starts_with(cut), "the text before the stop sequence: {cut:?} vs {answer:?}");
 
     assert!(out[5]["text"].as_str().unwrap().contains('5'), "{}", out[5]["text"]);
+
+    // The six were pulled as one batch and decoded together (on the CPU); the same request
+    // alone, in a batch of its own, gives the same text.
+    let alone = cluster.submit_all(&jobs[..1]).await.unwrap();
+    let counts = cluster.wait_terminal(&alone, Duration::from_secs(120)).await.unwrap();
+    assert_eq!(counts.get("succeeded"), Some(&1), "{counts:?}");
+    let alone = finished(&cluster, alone[0]).await;
+    assert_eq!(alone["text"], out[0]["text"], "decoded alone and in a batch of six");
 }
 
 #[tokio::test]

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tern_models::audio::decode_mono_16k;
 use tern_models::embed::Embedder;
-use tern_models::generate::{ChatMessage, GenerateOptions, Llm, Prompt};
+use tern_models::generate::{ChatMessage, GenerateOptions, GenerationRequest, Llm, Prompt};
 use tern_models::precision::Precision;
 use tern_models::wer::{word_errors, words};
 use tern_models::whisper::{Padding, TranscribeOptions, Whisper};
@@ -73,6 +73,13 @@ struct Args {
     /// Generation runs (the median is reported).
     #[arg(long, default_value_t = 3)]
     gen_runs: usize,
+    /// Requests decoded together for the batched generation figure, comma-separated (1 is the
+    /// single-request figure above and is skipped here).
+    #[arg(long, value_delimiter = ',', default_value = "4,8")]
+    gen_batches: Vec<usize>,
+    /// Sentences in the long prompt of the prefill figure (~16 tokens each).
+    #[arg(long, default_value_t = 60)]
+    prefill_sentences: usize,
     /// Language model folder under the models directory.
     #[arg(long, default_value = "smollm2-135m-instruct")]
     llm_model: String,
@@ -265,7 +272,7 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     }]);
     let prompt_tokens = llm.count_tokens(&prompt)?;
     // A long prompt for the prefill figure.
-    let long_prompt = Prompt::Text((0..60).map(sentence).collect::<Vec<_>>().join(" "));
+    let long_prompt = Prompt::Text((0..args.prefill_sentences).map(sentence).collect::<Vec<_>>().join(" "));
     let long_tokens = llm.count_tokens(&long_prompt)?;
     let one = GenerateOptions { max_tokens: 1, temperature: 0.0, ..Default::default() };
     llm.generate(&prompt, &one, &mut |_, _| true)?; // warm-up
@@ -305,5 +312,26 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         args.gen_tokens,
         args.gen_runs
     );
+    // Several requests at once: sampled (temperature 0.7), each with its own seed, so their
+    // texts differ; all tokens generated over the wall time, prompts included.
+    for &batch in args.gen_batches.iter().filter(|&&b| b > 1) {
+        let opts: Vec<GenerateOptions> = (0..batch)
+            .map(|i| GenerateOptions { max_tokens: args.gen_tokens, temperature: 0.7, seed: i as u64, ..Default::default() })
+            .collect();
+        let mut callbacks: Vec<Box<dyn FnMut(&str, usize) -> bool>> = (0..batch).map(|_| Box::new(|_: &str, _: usize| true) as Box<dyn FnMut(&str, usize) -> bool>).collect();
+        let requests = opts
+            .iter()
+            .zip(callbacks.iter_mut())
+            .map(|(options, on_text)| GenerationRequest { prompt: &prompt, options, on_text: on_text.as_mut() })
+            .collect();
+        let start = Instant::now();
+        let results = llm.generate_batch(requests);
+        let secs = start.elapsed().as_secs_f64();
+        let mut tokens = 0;
+        for r in results {
+            tokens += r?.completion_tokens;
+        }
+        println!("{}: {batch} requests together: {:.1} tokens/s in all ({tokens} tokens in {secs:.2} s)", args.llm_model, tokens as f64 / secs);
+    }
     Ok(())
 }

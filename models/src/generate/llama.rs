@@ -198,6 +198,13 @@ impl Llama {
     /// the weight matrices together, so the weights are read once per step for all of them:
     /// decoding `n` sequences costs far less than `n` times one.
     pub(crate) fn forward_batch(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Vec<f32>>> {
+        // On one of rayon's threads, so that the ~150 parallel steps of a pass split work
+        // between the pool's threads directly; from outside the pool each step would wake this
+        // thread through a futex when it ends.
+        rayon::scope(|_| self.forward_on_pool(segments))
+    }
+
+    fn forward_on_pool(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Vec<f32>>> {
         let c = self.cfg;
         let h = c.hidden;
         let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
@@ -299,12 +306,8 @@ impl Llama {
             let (keys, values) = kv[s];
             let q = &qkv[i * width + head * hd..][..hd];
             let at = (head / group) * hd;
-            let mut scores: Vec<f32> = (0..=pos).map(|p| cpu_kernels::dot(q, &keys[p * kv_dim + at..][..hd]) * scale).collect();
-            cpu_kernels::softmax_in_place(&mut scores);
-            o.fill(0.0);
-            for (p, &w) in scores.iter().enumerate() {
-                cpu_kernels::axpy(o, w, &values[p * kv_dim + at..][..hd]);
-            }
+            let mut scores = vec![0f32; pos + 1];
+            cpu_kernels::attend(q, &keys[at..], &values[at..], kv_dim, scale, &mut scores, o);
         });
     }
 }
@@ -358,7 +361,7 @@ impl<R: Read + Seek> Tensors<'_, R> {
         let (dtype, dims, data) = self.bytes(name)?;
         ensure!(dims.len() == 2 && dims[1] == cols, "tensor {name} has shape {dims:?}, expected {cols} columns");
         let qtype = qtype(dtype).with_context(|| format!("tensor {name} is {dtype:?}"))?;
-        QMatrix::new(qtype, dims[0], cols, data).with_context(|| format!("tensor {name}"))
+        QMatrix::new(qtype, dims[0], cols, &data).with_context(|| format!("tensor {name}"))
     }
 
     fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {

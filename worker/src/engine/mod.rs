@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
-use tern_models::generate::{GenerateError, GenerateOptions, Generation, Prompt};
+use tern_models::generate::{GenerateError, GenerateOptions, Generation, GenerationRequest, Prompt};
 use tern_models::whisper::{TranscribeOptions, Transcript};
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
@@ -66,7 +66,8 @@ pub struct BatchLimits {
     /// Most padded tokens of embedding texts pulled in one batch. `None`: calibrated, at most
     /// 32768.
     pub embed_tokens: Option<usize>,
-    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch; they run one
+    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch; on the CPU they
+    /// decode together (one pass through the weights per step for all of them), elsewhere one
     /// after another. Default 4096.
     pub generate_tokens: usize,
 }
@@ -345,7 +346,7 @@ impl Thread {
             };
             let family = first.family();
             let mut group = vec![first];
-            if family != Family::Llm {
+            {
                 // Same-family requests already waiting join; then linger for late ones.
                 let (same, other): (VecDeque<_>, VecDeque<_>) =
                     std::mem::take(&mut self.backlog).into_iter().partition(|r| r.family() == family);
@@ -369,7 +370,7 @@ impl Thread {
             match family {
                 Family::Whisper => self.transcribe(group),
                 Family::Embedder => self.embed(group),
-                Family::Llm => group.into_iter().for_each(|r| self.generate(r)),
+                Family::Llm => self.generate(group),
             }
         }
     }
@@ -462,26 +463,48 @@ impl Thread {
         self.calibrate(&name, self.limits.embed_tokens, MAX_EMBED_TOKENS, &self.embed_tokens);
     }
 
-    fn generate(&mut self, r: Request) {
-        let Request::Generate { prompt, options, progress, stop, reply } = r else { return };
+    fn generate(&mut self, group: Vec<Request>) {
+        let mut jobs = Vec::new();
+        for r in group {
+            if let Request::Generate { prompt, options, progress, stop, reply } = r {
+                jobs.push((prompt, options, progress, stop, reply));
+            }
+        }
         let name = self.name_of(Family::Llm);
         let model = match self.cache.get(Family::Llm, &name) {
             Ok(Model::Llm(m)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
             Err(e) => {
-                let _ = reply.send(Err(e));
+                jobs.into_iter().for_each(|(.., reply)| drop(reply.send(Err(e.clone()))));
                 return;
             }
         };
-        let result = model.generate(&prompt, &options, &mut |text, tokens| {
-            let _ = progress.send((text.to_string(), tokens));
-            !stop.load(Ordering::Relaxed)
-        });
-        let result = result.map_err(|e| match e.downcast_ref::<GenerateError>() {
-            // A stop is seen by the job itself; the rest are the input's fault.
-            Some(g) if *g != GenerateError::Canceled => EngineError::Rejected { code: g.code(), message: g.to_string() },
-            _ => EngineError::Inference(format!("{e:#}")),
-        });
-        let _ = reply.send(result.map(|value| Served { value, model: name }));
+        type OnText<'a> = Box<dyn FnMut(&str, usize) -> bool + 'a>;
+        let mut callbacks: Vec<OnText<'_>> = jobs
+            .iter()
+            .map(|(_, _, progress, stop, _)| {
+                Box::new(move |text: &str, tokens: usize| {
+                    let _ = progress.send((text.to_string(), tokens));
+                    !stop.load(Ordering::Relaxed)
+                }) as OnText<'_>
+            })
+            .collect();
+        let requests = jobs
+            .iter()
+            .zip(callbacks.iter_mut())
+            .map(|((prompt, options, ..), on_text)| GenerationRequest { prompt, options, on_text: on_text.as_mut() })
+            .collect();
+        let started = Instant::now();
+        let results = model.generate_batch(requests);
+        tracing::info!(requests = jobs.len(), model_ms = started.elapsed().as_millis() as u64, "generation batch done");
+        drop(callbacks);
+        for ((.., reply), result) in jobs.into_iter().zip(results) {
+            let result = result.map_err(|e| match e.downcast_ref::<GenerateError>() {
+                // A stop is seen by the job itself; the rest are the input's fault.
+                Some(g) if *g != GenerateError::Canceled => EngineError::Rejected { code: g.code(), message: g.to_string() },
+                _ => EngineError::Inference(format!("{e:#}")),
+            });
+            let _ = reply.send(result.map(|value| Served { value, model: name.clone() }));
+        }
     }
 }
