@@ -125,7 +125,8 @@ struct WeightRow<'a> {
     packed: &'a [u8],
 }
 
-/// Activation rows multiplied against each weight row while its blocks are unpacked.
+/// Rows taken together by one kernel call: activation rows per weight row (several rows), or
+/// weight rows per activation row (one row).
 const TILE: usize = 4;
 /// Activation rows kept hot in cache while a task walks its weight rows (64 rows of 576 values
 /// take 41 KB).
@@ -237,10 +238,13 @@ impl QMatrix {
                 for (k, ys) in quads.by_ref().enumerate() {
                     let r = first + k * TILE;
                     let w = |i| self.weight_row(r + i);
-                    ys.copy_from_slice(&kernel.rows([w(0), w(1), w(2), w(3)], x));
+                    let dots = kernel.tile([w(0), w(1), w(2), w(3)], [x]);
+                    for (y, d) in ys.iter_mut().zip(dots) {
+                        *y = d[0];
+                    }
                 }
                 for (j, y) in quads.into_remainder().iter_mut().enumerate() {
-                    *y = kernel.rows([self.weight_row(first + done + j)], x)[0];
+                    *y = kernel.tile([self.weight_row(first + done + j)], [x])[0][0];
                 }
             });
             return;
@@ -254,12 +258,12 @@ impl QMatrix {
                     let w = self.weight_row(c * rows_per_task + j);
                     let mut i = i0;
                     while i + TILE <= i1 {
-                        let dots = kernel.dot(w, [x.row(i), x.row(i + 1), x.row(i + 2), x.row(i + 3)]);
+                        let [dots] = kernel.tile([w], [x.row(i), x.row(i + 1), x.row(i + 2), x.row(i + 3)]);
                         ys[i..i + TILE].copy_from_slice(&dots);
                         i += TILE;
                     }
                     for (i, y) in ys.iter_mut().enumerate().take(i1).skip(i) {
-                        *y = kernel.dot(w, [x.row(i)])[0];
+                        *y = kernel.tile([w], [x.row(i)])[0][0];
                     }
                 }
             }
@@ -277,8 +281,9 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
 }
 
-/// Dot products of one weight row with 1 or [`TILE`] activation rows, for one block type,
-/// compiled for the CPU's widest instruction set.
+/// Products of a few weight rows with a few activation rows ([`TILE`] activation rows per
+/// weight row in prompts and batches, [`TILE`] weight rows per activation row in a one-request
+/// decoding step), for one block type, compiled for the CPU's widest instruction set.
 #[derive(Clone, Copy)]
 struct Kernel {
     qtype: QType,
@@ -295,38 +300,21 @@ impl Kernel {
         }
     }
 
+    /// Products of `R` weight rows with `T` activation rows: `out[r][t]`.
     #[inline(always)]
-    fn dot<const T: usize>(self, w: WeightRow<'_>, xs: [ActRow<'_>; T]) -> [f32; T] {
+    fn tile<const R: usize, const T: usize>(self, ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
         #[cfg(target_arch = "x86_64")]
         if self.avx2 {
             // SAFETY: `x86::available` found AVX2 and FMA; the rows hold whole blocks of the
             // same count (checked by `QMatrix::new` and `matmul`).
             unsafe {
                 return match self.qtype {
-                    QType::Q4_0 | QType::Q4_1 => x86::dot_q4::<T>(w, xs),
-                    QType::Q8_0 => x86::dot_q8_0::<T>(w, xs),
+                    QType::Q4_0 | QType::Q4_1 => x86::tile_q4::<R, T>(ws, xs),
+                    QType::Q8_0 => x86::tile_q8_0::<R, T>(ws, xs),
                 };
             }
         }
-        std::array::from_fn(|t| dot_scalar(self.qtype, w, xs[t]))
-    }
-}
-
-impl Kernel {
-    /// `R` weight rows with one activation row.
-    #[inline(always)]
-    fn rows<const R: usize>(self, ws: [WeightRow<'_>; R], x: ActRow<'_>) -> [f32; R] {
-        #[cfg(target_arch = "x86_64")]
-        if self.avx2 {
-            // SAFETY: as in `dot`.
-            unsafe {
-                return match self.qtype {
-                    QType::Q4_0 | QType::Q4_1 => x86::rows_q4::<R>(ws, x),
-                    QType::Q8_0 => x86::rows_q8_0::<R>(ws, x),
-                };
-            }
-        }
-        std::array::from_fn(|r| dot_scalar(self.qtype, ws[r], x))
+        std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(self.qtype, ws[r], xs[t])))
     }
 }
 
@@ -389,16 +377,18 @@ mod x86 {
         sum_lanes(acc) + rest
     }
 
-    /// `Σ_b w.scales[b] x.d[b] P_b + Σ_b w.offsets[b] x.s[b]` where `P_b` is block `b`'s
-    /// integer product. `Q8` picks signed 8-bit weights (else unsigned 4-bit pairs, with
-    /// offsets).
+    /// `out[r][t] = Σ_b ws[r].scales[b] xs[t].d[b] P_b + Σ_b ws[r].offsets[b] xs[t].s[b]`, where
+    /// `P_b` is block `b`'s integer product of weight row `r` and activation row `t`: each
+    /// weight block is unpacked once for the `T` activation rows, each activation block read
+    /// from cache for the `R` weight rows. `Q8` picks signed 8-bit weights (else unsigned 4-bit
+    /// pairs, with offsets).
     #[inline(always)]
-    unsafe fn dot<const T: usize, const Q8: bool>(w: WeightRow<'_>, xs: [ActRow<'_>; T]) -> [f32; T] {
-        let blocks = w.scales.len();
+    unsafe fn tile<const R: usize, const T: usize, const Q8: bool>(ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
+        let blocks = xs[0].d.len();
         let low = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
-        let mut even = [_mm256_setzero_ps(); T];
-        let mut odd = [_mm256_setzero_ps(); T];
+        let mut even = [[_mm256_setzero_ps(); T]; R];
+        let mut odd = [[_mm256_setzero_ps(); T]; R];
         // Block `b` into `acc`: even blocks into one set of registers, odd ones into the other
         // (constant indices keep them in registers), two dependency chains. A macro, not a
         // closure: closures do not inherit the caller's target features.
@@ -406,72 +396,26 @@ mod x86 {
             ($b:expr, $acc:expr) => {{
                 let b = $b;
                 let acc = &mut $acc;
-                let q = if Q8 {
-                    _mm256_loadu_si256(w.packed.as_ptr().add(b * BLOCK) as *const __m256i)
-                } else {
-                    let packed = _mm_loadu_si128(w.packed.as_ptr().add(b * 16) as *const __m128i);
-                    // Values 0..16 are the low nibbles, 16..32 the high ones.
-                    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed), low)
-                };
-                let magnitude = if Q8 { _mm256_sign_epi8(q, q) } else { q };
-                let wd = _mm256_broadcast_ss(w.scales.get_unchecked(b));
-                for t in 0..T {
-                    let mut v = _mm256_loadu_si256(xs[t].qs.get_unchecked(b).as_ptr() as *const __m256i);
-                    if Q8 {
-                        v = _mm256_sign_epi8(v, q);
-                    }
-                    let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, v), ones);
-                    let scale = _mm256_mul_ps(wd, _mm256_broadcast_ss(xs[t].d.get_unchecked(b)));
-                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[t]);
-                }
-            }};
-        }
-        let mut b = 0;
-        while b + 1 < blocks {
-            block!(b, even);
-            block!(b + 1, odd);
-            b += 2;
-        }
-        if b < blocks {
-            block!(b, even);
-        }
-        // A loop, not `array::from_fn`: its closure would not inherit the target features,
-        // and every intrinsic in it would become a function call.
-        let mut out = [0f32; T];
-        for t in 0..T {
-            let offsets = if Q8 { 0.0 } else { offset_sum(w.offsets, xs[t].s) };
-            out[t] = sum_lanes(_mm256_add_ps(even[t], odd[t])) + offsets;
-        }
-        out
-    }
-
-    /// [`dot`] the other way round: `R` weight rows with one activation row, whose blocks are
-    /// loaded once for all of them (a decoding step has one row per sequence).
-    #[inline(always)]
-    unsafe fn dot_rows<const R: usize, const Q8: bool>(ws: [WeightRow<'_>; R], x: ActRow<'_>) -> [f32; R] {
-        let blocks = x.d.len();
-        let low = _mm256_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
-        let mut even = [_mm256_setzero_ps(); R];
-        let mut odd = [_mm256_setzero_ps(); R];
-        macro_rules! block {
-            ($b:expr, $acc:expr) => {{
-                let b = $b;
-                let acc = &mut $acc;
-                let v = _mm256_loadu_si256(x.qs.get_unchecked(b).as_ptr() as *const __m256i);
-                let xd = _mm256_broadcast_ss(x.d.get_unchecked(b));
                 for r in 0..R {
                     let w = &ws[r];
-                    let dot = if Q8 {
-                        let q = _mm256_loadu_si256(w.packed.as_ptr().add(b * BLOCK) as *const __m256i);
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)), ones)
+                    let q = if Q8 {
+                        _mm256_loadu_si256(w.packed.as_ptr().add(b * BLOCK) as *const __m256i)
                     } else {
                         let packed = _mm_loadu_si128(w.packed.as_ptr().add(b * 16) as *const __m128i);
-                        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed), low);
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), ones)
+                        // Values 0..16 are the low nibbles, 16..32 the high ones.
+                        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed), low)
                     };
-                    let scale = _mm256_mul_ps(xd, _mm256_broadcast_ss(w.scales.get_unchecked(b)));
-                    acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r]);
+                    let magnitude = if Q8 { _mm256_sign_epi8(q, q) } else { q };
+                    let wd = _mm256_broadcast_ss(w.scales.get_unchecked(b));
+                    for t in 0..T {
+                        let mut v = _mm256_loadu_si256(xs[t].qs.get_unchecked(b).as_ptr() as *const __m256i);
+                        if Q8 {
+                            v = _mm256_sign_epi8(v, q);
+                        }
+                        let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, v), ones);
+                        let scale = _mm256_mul_ps(wd, _mm256_broadcast_ss(xs[t].d.get_unchecked(b)));
+                        acc[r][t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r][t]);
+                    }
                 }
             }};
         }
@@ -484,37 +428,29 @@ mod x86 {
         if b < blocks {
             block!(b, even);
         }
-        let mut out = [0f32; R];
+        // Loops, not `array::from_fn`: its closure would not inherit the target features, and
+        // every intrinsic in it would become a function call.
+        let mut out = [[0f32; T]; R];
         for r in 0..R {
-            let offsets = if Q8 { 0.0 } else { offset_sum(ws[r].offsets, x.s) };
-            out[r] = sum_lanes(_mm256_add_ps(even[r], odd[r])) + offsets;
+            for t in 0..T {
+                let offsets = if Q8 { 0.0 } else { offset_sum(ws[r].offsets, xs[t].s) };
+                out[r][t] = sum_lanes(_mm256_add_ps(even[r][t], odd[r][t])) + offsets;
+            }
         }
         out
     }
 
-    /// [`dot_rows`] for Q4_0 and Q4_1.
+    /// [`tile`] for Q4_0 and Q4_1: the 4-bit values are unsigned, as `maddubs` wants its first
+    /// operand; the offsets (`-8 d` for Q4_0) come in through the activation blocks' sums.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn rows_q4<const R: usize>(ws: [WeightRow<'_>; R], x: ActRow<'_>) -> [f32; R] {
-        dot_rows::<R, false>(ws, x)
+    pub(super) unsafe fn tile_q4<const R: usize, const T: usize>(ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
+        tile::<R, T, false>(ws, xs)
     }
 
-    /// [`dot_rows`] for Q8_0.
+    /// [`tile`] for Q8_0: signed times signed, through `maddubs` on |w| and x with w's sign.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn rows_q8_0<const R: usize>(ws: [WeightRow<'_>; R], x: ActRow<'_>) -> [f32; R] {
-        dot_rows::<R, true>(ws, x)
-    }
-
-    /// Q4_0 and Q4_1: the 4-bit values are unsigned, as `maddubs` wants its first operand;
-    /// the offsets (`-8 d` for Q4_0) come in through the activation blocks' sums.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_q4<const T: usize>(w: WeightRow<'_>, xs: [ActRow<'_>; T]) -> [f32; T] {
-        dot::<T, false>(w, xs)
-    }
-
-    /// Q8_0: signed times signed, through `maddubs` on |w| and x with w's sign.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_q8_0<const T: usize>(w: WeightRow<'_>, xs: [ActRow<'_>; T]) -> [f32; T] {
-        dot::<T, true>(w, xs)
+    pub(super) unsafe fn tile_q8_0<const R: usize, const T: usize>(ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
+        tile::<R, T, true>(ws, xs)
     }
 }
 
