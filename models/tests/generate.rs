@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 use tern_models::generate::{
-    ChatMessage, FinishReason, GenerateError, GenerateOptions, Generation, Llm, Prompt,
+    ChatMessage, FinishReason, GenerateError, GenerateOptions, Generation, GenerationRequest, Llm, Prompt,
 };
 
 fn model_dir() -> Option<PathBuf> {
@@ -225,4 +225,34 @@ fn cancel_and_context_errors_have_codes() {
         err.downcast_ref::<GenerateError>().map(GenerateError::code),
         Some("prompt_empty")
     );
+}
+
+/// Requests served together each come out as alone: a sampled one with its seed, a greedy one;
+/// one canceled and one refused (context) fail with their codes and leave the others running.
+#[test]
+fn a_batch_serves_each_request_as_alone_and_isolates_failures() {
+    let Some(llm) = llm() else { return };
+    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let sampled = GenerateOptions { max_tokens: 24, temperature: 0.8, seed: 11, ..Default::default() };
+    let greedy_opts = greedy(16);
+    let too_long = greedy(llm.context_length());
+    let alone_sampled = llm.generate(&story, &sampled, &mut |_, _| true).unwrap();
+    let alone_greedy = llm.generate(&capital_question(), &greedy_opts, &mut |_, _| true).unwrap();
+
+    let (mut a, mut b, mut d) = (|_: &str, _: usize| true, |_: &str, _: usize| true, |_: &str, _: usize| true);
+    let mut cancel_at_2 = |_: &str, n: usize| n < 2;
+    let question = capital_question();
+    let requests = vec![
+        GenerationRequest { prompt: &story, options: &sampled, on_text: &mut a },
+        GenerationRequest { prompt: &story, options: &greedy_opts, on_text: &mut cancel_at_2 },
+        GenerationRequest { prompt: &question, options: &too_long, on_text: &mut d },
+        GenerationRequest { prompt: &question, options: &greedy_opts, on_text: &mut b },
+    ];
+    let results = llm.generate_batch(requests);
+    assert_eq!(results.len(), 4);
+    let code = |r: &anyhow::Result<Generation>| r.as_ref().unwrap_err().downcast_ref::<GenerateError>().map(GenerateError::code);
+    assert_eq!(results[0].as_ref().unwrap(), &alone_sampled, "sampled, same seed, batched");
+    assert_eq!(code(&results[1]), Some("canceled"));
+    assert_eq!(code(&results[2]), Some("context_length_exceeded"));
+    assert_eq!(results[3].as_ref().unwrap(), &alone_greedy, "greedy, batched");
 }
