@@ -300,15 +300,19 @@ impl Llama {
         let width = (c.heads + 2 * c.kv_heads) * hd;
         let group = c.heads / c.kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        out.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
-            let (i, head) = (task / c.heads, task % c.heads);
-            let (s, pos) = rows[i];
-            let (keys, values) = kv[s];
-            let q = &qkv[i * width + head * hd..][..hd];
-            let at = (head / group) * hd;
-            let mut scores = vec![0f32; pos + 1];
-            cpu_kernels::attend(q, &keys[at..], &values[at..], kv_dim, scale, &mut scores, o);
-        });
+        // One scores buffer per thread, as the longest row needs.
+        let longest = rows.iter().map(|&(_, pos)| pos + 1).max().unwrap_or(0);
+        out.par_chunks_mut(hd).enumerate().for_each_init(
+            || vec![0f32; longest],
+            |scores, (task, o)| {
+                let (i, head) = (task / c.heads, task % c.heads);
+                let (s, pos) = rows[i];
+                let (keys, values) = kv[s];
+                let q = &qkv[i * width + head * hd..][..hd];
+                let at = (head / group) * hd;
+                cpu_kernels::attend(q, &keys[at..], &values[at..], kv_dim, scale, &mut scores[..=pos], o);
+            },
+        );
     }
 }
 

@@ -70,17 +70,14 @@ pub(crate) fn attend_one(
                     for (d, &qd) in q.iter().enumerate() {
                         cpu_kernels::axpy(s, qd, &k[d * len..d * len + n]);
                     }
-                }
-                KeyLayout::Rows => {
-                    for (p, x) in s.iter_mut().enumerate() {
-                        *x = cpu_kernels::dot(&k[p * hd..(p + 1) * hd], q);
+                    cpu_kernels::softmax_in_place(s);
+                    o.fill(0.0);
+                    for (p, &w) in s.iter().enumerate() {
+                        cpu_kernels::axpy(o, w, &v[p * hd..(p + 1) * hd]);
                     }
                 }
-            }
-            cpu_kernels::softmax_in_place(s);
-            o.fill(0.0);
-            for (p, &w) in s.iter().enumerate() {
-                cpu_kernels::axpy(o, w, &v[p * hd..(p + 1) * hd]);
+                // Queries come scaled already.
+                KeyLayout::Rows => cpu_kernels::attend(q, k, v, hd, 1.0, s, o),
             }
         },
     );
