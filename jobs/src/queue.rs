@@ -101,6 +101,8 @@ pub struct Progress {
 #[derive(Clone)]
 pub struct Queue {
     pool: Pool,
+    /// For the wake-up subscription, which needs a connection of its own.
+    client: redis::Client,
     prefix: String,
     pub settings: QueueSettings,
 }
@@ -113,7 +115,38 @@ impl Queue {
         let pool = config
             .create_pool(Some(Runtime::Tokio1))
             .map_err(|e| crate::Error::Other(format!("redis pool: {e}")))?;
-        Ok(Queue { pool, prefix: prefix.to_string(), settings })
+        let client = redis::Client::open(url)?;
+        Ok(Queue { pool, client, prefix: prefix.to_string(), settings })
+    }
+
+    /// The channel on which Redis announces that `kind` has jobs ready.
+    fn wake_channel(&self, kind: JobKind) -> String {
+        format!("{}:wake:{}", self.prefix, kind.as_str())
+    }
+
+    /// Tells idle workers of `kind` that jobs are ready, so they pull now instead of at their
+    /// next poll. A hint only: a lost one costs one poll interval, never a job.
+    async fn wake(&self, c: &mut deadpool_redis::Connection, kind: JobKind) {
+        let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH").arg(self.wake_channel(kind)).arg(1).query_async(&mut **c).await;
+        if let Err(e) = sent {
+            tracing::debug!(error = %e, "wake-up hint not sent");
+        }
+    }
+
+    /// Wake-up hints for `kinds`: the stream yields a kind each time jobs of it became ready
+    /// (enqueued, restored, released). It ends when the connection drops; subscribe again.
+    pub async fn wakeups(&self, kinds: &[JobKind]) -> Result<impl futures::Stream<Item = JobKind> + Send + use<>> {
+        let mut pubsub = self.client.get_async_pubsub().await?;
+        let mut by_channel = std::collections::HashMap::new();
+        for kind in kinds {
+            let channel = self.wake_channel(*kind);
+            pubsub.subscribe(&channel).await?;
+            by_channel.insert(channel, *kind);
+        }
+        Ok(futures::StreamExt::filter_map(pubsub.into_on_message(), move |msg| {
+            let kind = by_channel.get(msg.get_channel_name()).copied();
+            std::future::ready(kind)
+        }))
     }
 
     async fn conn(&self) -> Result<deadpool_redis::Connection> {
@@ -157,7 +190,10 @@ impl Queue {
                         .arg(j.cost)
                         .arg(j.run_at.map_or(0, |t| t.timestamp_millis()));
                 }
-                let _: i64 = inv.invoke_async(&mut *c).await?;
+                let added: i64 = inv.invoke_async(&mut *c).await?;
+                if added > 0 {
+                    self.wake(&mut c, *kind).await;
+                }
             }
         }
         Ok(())
@@ -218,6 +254,8 @@ impl Queue {
     /// Clears leases after Postgres settled their jobs.
     pub async fn settle(&self, kind: JobKind, items: &[(Uuid, i64, SettleAction)]) -> Result<()> {
         let mut c = self.conn().await?;
+        let now = Utc::now();
+        let due_now = items.iter().any(|(_, _, a)| matches!(a, SettleAction::At(t) if *t <= now));
         for chunk in items.chunks(CHUNK) {
             let mut inv = SETTLE.prepare_invoke();
             inv.key(self.key(kind, "leases"))
@@ -235,6 +273,10 @@ impl Queue {
                 inv.arg(id.to_string()).arg(*token).arg(action);
             }
             let _: i64 = inv.invoke_async(&mut *c).await?;
+        }
+        if due_now {
+            // Released or requeued jobs: another worker may take them at once.
+            self.wake(&mut c, kind).await;
         }
         Ok(())
     }
@@ -290,6 +332,9 @@ impl Queue {
             }
             let n: u64 = inv.invoke_async(&mut *c).await?;
             restored += n;
+        }
+        if restored > 0 {
+            self.wake(&mut c, kind).await;
         }
         Ok(restored)
     }

@@ -184,3 +184,23 @@ async fn a_delayed_job_waits_for_its_time() {
     .unwrap();
     assert!(started >= run_at - chrono::Duration::milliseconds(50), "started {started}, due {run_at}");
 }
+
+#[tokio::test]
+async fn an_idle_worker_takes_a_new_job_at_once_on_the_wake_up_hint_not_at_its_next_poll() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    // Polls back off 1, 2, 4 … ms up to a minute while the queue is empty.
+    let _w = cluster.spawn_worker(&[("TERN_CONCURRENCY", "1"), ("TERN_IDLE_POLL_MAX_MS", "60000")]).unwrap();
+    let first = cluster.submit_all(&[json!({"kind": "echo", "input": {"message": "first"}})]).await.unwrap();
+    cluster.wait_terminal(&first, Duration::from_secs(60)).await.unwrap();
+    // 9 s idle: the loop has slept 1 + 2 + … + 4096 ms and is in its 8,192 ms sleep, which ends
+    // about 7 s after the next submit.
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    let second = cluster.submit_all(&[json!({"kind": "echo", "input": {"message": "second"}})]).await.unwrap();
+    cluster.wait_terminal(&second, Duration::from_secs(60)).await.unwrap();
+    let waited: f64 = sqlx::query_scalar("SELECT extract(epoch FROM started_at - created_at)::float8 FROM jobs WHERE id = $1")
+        .bind(second[0])
+        .fetch_one(&cluster.pg)
+        .await
+        .unwrap();
+    assert!(waited < 4.0, "the job waited {waited:.2} s for the idle worker: the wake-up hint did not reach it");
+}

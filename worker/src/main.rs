@@ -12,6 +12,7 @@ mod registry;
 mod resources;
 mod runner;
 mod stop;
+mod wakeup;
 
 use anyhow::Context;
 use clap::Parser;
@@ -83,7 +84,8 @@ struct Cli {
     /// How often (ms) leases are extended (and cancels noticed). Keep well under the lease.
     #[arg(long, env = "TERN_HEARTBEAT_MS", default_value_t = 1_000)]
     heartbeat_ms: u64,
-    /// Longest wait (ms) between pulls while the queue is empty.
+    /// Longest wait (ms) between pulls while the queue is empty. A wake-up hint from Redis (sent
+    /// when jobs are enqueued or released) ends the wait at once; the poll is the fallback.
     #[arg(long, env = "TERN_IDLE_POLL_MAX_MS", default_value_t = 100)]
     idle_poll_max_ms: u64,
     /// Most output uploads in flight at once.
@@ -241,6 +243,7 @@ async fn run() -> anyhow::Result<()> {
             max_bytes: cli.max_file_bytes,
         },
         uploads: tokio::sync::Semaphore::new(cli.upload_concurrency.max(1)),
+        wake: Arc::new(tokio::sync::Notify::new()),
         registry: registry.clone(),
         engine: kinds.iter().any(|k| *k != JobKind::Echo).then(|| {
             let budget = cli.memory_budget.unwrap_or_else(|| resources::default_budget(&cli.device));
@@ -287,6 +290,7 @@ async fn run() -> anyhow::Result<()> {
         };
         tokio::spawn(swapper.run(REGISTRY_INTERVAL, shutdown_rx.clone()));
     }
+    tokio::spawn(wakeup::listen(runner.queue.clone(), kinds.clone(), runner.wake.clone(), shutdown_rx.clone()));
     let loops: Vec<_> = (0..cli.concurrency.max(1))
         .map(|_| tokio::spawn(runner.clone().run_loop(shutdown_rx.clone(), abort_rx.clone())))
         .collect();

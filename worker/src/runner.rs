@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet};
 use tern_jobs::store::{Outcome, Settled, Settlement};
 use uuid::Uuid;
 use tern_jobs::{Failure, Job, JobKind, JobState, ObjectStore, Queue, RetryPolicy, Store};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 
 /// How the worker pulls and runs batches.
 #[derive(Debug, Clone)]
@@ -46,6 +46,8 @@ pub struct Runner {
     pub files: FileFetcher,
     /// Bounds concurrent output uploads across the worker's loops.
     pub uploads: Semaphore,
+    /// Raised when Redis hints that jobs are ready ([`crate::wakeup`]): idle loops pull at once.
+    pub wake: Arc<Notify>,
     /// The model thread, when this worker runs model kinds.
     pub engine: Option<Arc<Engine>>,
     /// This worker's row in `workers`: drain flag and counts.
@@ -69,6 +71,10 @@ impl Runner {
             }
             let kind = self.settings.kinds[next_kind % self.settings.kinds.len()];
             next_kind += 1;
+            // Registered before the pull, so a hint that arrives during it is not missed.
+            let woken = self.wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
             match self.queue.pull(kind, self.settings.batch_size, self.batch_budget(kind)).await {
                 Ok(leases) if !leases.is_empty() => {
                     idle = Duration::from_millis(1);
@@ -81,10 +87,10 @@ impl Runner {
                 Ok(_) => {
                     if next_kind % self.settings.kinds.len() == 0 {
                         tokio::select! {
-                            _ = tokio::time::sleep(idle) => {}
+                            _ = tokio::time::sleep(idle) => idle = (idle * 2).min(self.settings.idle_poll_max),
+                            _ = &mut woken => idle = Duration::from_millis(1),
                             _ = shutdown.changed() => {}
                         }
-                        idle = (idle * 2).min(self.settings.idle_poll_max);
                     }
                 }
                 Err(e) => {
