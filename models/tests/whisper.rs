@@ -170,8 +170,8 @@ fn long_audio_is_windowed_and_stitched_in_order() {
         assert!(pair[0].start <= pair[1].start, "{pair:?}");
     }
     assert!(tr.segments.iter().all(|s| s.end <= seconds + 1e-6));
-    // Rough order check: each clip's rarest-ish (longest) word appears after the previous one's.
-    // Words cut at a window boundary may be garbled, so allow one clip to be missed.
+    // Each clip's longest word appears after the previous one's: the windows are stitched in
+    // order and no clip is lost at a cut.
     let hyp = words(&tr.text);
     let mut pos = 0;
     let mut missed = 0;
@@ -182,7 +182,14 @@ fn long_audio_is_windowed_and_stitched_in_order() {
             None => missed += 1,
         }
     }
-    assert!(missed <= 1, "missed {missed} clips in order: {hyp:?}");
+    assert_eq!(missed, 0, "missed {missed} clips in order: {hyp:?}");
+    // The cuts land in the pauses between clips, not inside words: the whole recording is
+    // transcribed about as well as the clips one by one (4.2%). Cut at fixed 30 s marks
+    // instead, words at the cuts were garbled (14% on the benchmark's 120 s recording).
+    let reference: Vec<String> = expected.concat();
+    let wer = word_errors(&reference, &hyp) as f64 / reference.len() as f64;
+    println!("WER over the whole recording: {:.1}%", 100.0 * wer);
+    assert!(wer <= 0.08, "WER {:.1}% over the whole recording", 100.0 * wer);
 }
 
 #[test]

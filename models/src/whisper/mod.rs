@@ -211,14 +211,82 @@ fn encoder_groups(positions: &[usize], mixed: bool) -> Vec<Vec<usize>> {
     groups
 }
 
-/// Sample range of window `w` of `pcm`.
-fn window_bounds(pcm: &[f32], w: usize) -> (usize, usize) {
-    let start = (w * m::N_SAMPLES).min(pcm.len());
-    (start, (start + m::N_SAMPLES).min(pcm.len()))
+/// How far before a window's 30 s end the cut may move to land in a pause.
+const CUT_LOOKBACK_SAMPLES: usize = 5 * m::SAMPLE_RATE;
+/// Loudness is compared over frames of this many samples (20 ms).
+const CUT_FRAME: usize = m::SAMPLE_RATE / 50;
+/// A cut lands in the middle of the quietest run of this many frames (200 ms), so a short
+/// stop consonant inside a word does not pass for a pause.
+const CUT_QUIET_FRAMES: usize = 10;
+
+/// Sample ranges of the windows `pcm` is transcribed in: as many as [`windows_for`] counts, each
+/// at most 30 s, consecutive and covering all of it. Each cut lands in the quietest 200 ms
+/// within the last 5 s before the window's 30 s end (as far back as the windows left can still
+/// hold the rest), so a cut falls between words wherever the speaker paused, instead of in the
+/// middle of one.
+fn window_cuts(pcm: &[f32]) -> Vec<(usize, usize)> {
+    let n = windows_for(pcm.len() as f64 / m::SAMPLE_RATE as f64);
+    let mut cuts = Vec::with_capacity(n);
+    let mut start = 0;
+    for k in 0..n {
+        let rest = pcm.len() - start;
+        if rest <= m::N_SAMPLES || k + 1 == n {
+            cuts.push((start, pcm.len()));
+            break;
+        }
+        let latest = start + m::N_SAMPLES;
+        // The windows after this one hold at most 30 s each.
+        let earliest = (pcm.len().saturating_sub((n - k - 1) * m::N_SAMPLES)).max(latest - CUT_LOOKBACK_SAMPLES).min(latest);
+        let end = quietest_point(pcm, earliest, latest);
+        cuts.push((start, end));
+        start = end;
+    }
+    cuts
+}
+
+/// The middle of the quietest run of [`CUT_QUIET_FRAMES`] frames between `from` and `to`
+/// (`to` itself when the span is shorter than one run).
+fn quietest_point(pcm: &[f32], from: usize, to: usize) -> usize {
+    let energy: Vec<f32> = pcm[from..to].chunks_exact(CUT_FRAME).map(|f| f.iter().map(|x| x * x).sum()).collect();
+    if energy.len() < CUT_QUIET_FRAMES {
+        return to;
+    }
+    let mut run: f32 = energy[..CUT_QUIET_FRAMES].iter().sum();
+    let (mut best, mut best_at) = (run, 0);
+    for i in CUT_QUIET_FRAMES..energy.len() {
+        run += energy[i] - energy[i - CUT_QUIET_FRAMES];
+        // Ties go to the later run: windows stay as long as they can.
+        if run <= best {
+            (best, best_at) = (run, i + 1 - CUT_QUIET_FRAMES);
+        }
+    }
+    from + (best_at + CUT_QUIET_FRAMES / 2) * CUT_FRAME
+}
+
+/// Shortest untranscribed end of a window that runs again (2 s).
+const MIN_TAIL_SAMPLES: usize = 2 * m::SAMPLE_RATE;
+
+/// Whether `tail`, the end of `window` after its last segment, holds speech worth a second
+/// pass: at least 2 s, with a 200 ms stretch at least a tenth as loud (mean square) as the
+/// window's loudest 200 ms (trailing silence or room noise stays below that).
+fn untranscribed_speech(pcm: &[f32], window: (usize, usize), tail: (usize, usize)) -> bool {
+    if tail.1.saturating_sub(tail.0) < MIN_TAIL_SAMPLES {
+        return false;
+    }
+    let loudest = |from: usize, to: usize| -> f32 {
+        pcm[from..to]
+            .chunks(CUT_FRAME * CUT_QUIET_FRAMES)
+            .map(|c| c.iter().map(|x| x * x).sum::<f32>() / c.len() as f32)
+            .fold(0.0, f32::max)
+    };
+    let peak = loudest(window.0, window.1);
+    peak > 0.0 && loudest(tail.0, tail.1) >= 0.1 * peak
 }
 
 /// A recording's transcript while [`Whisper::transcribe_many`] builds it.
 struct Pending {
+    /// Sample ranges of the recording's windows ([`window_cuts`]).
+    windows: Vec<(usize, usize)>,
     /// Windows the recording costs.
     total: usize,
     /// `None` until detected from the first window.
@@ -377,8 +445,8 @@ impl Whisper {
 
     /// Transcribes 16 kHz mono PCM (see [`crate::audio::decode_mono_16k`]).
     ///
-    /// Audio is cut into consecutive 30 s windows (a word straddling a cut may be split or
-    /// garbled); segment times are offset by the window start and clamped to the audio length.
+    /// Audio is cut into consecutive windows of at most 30 s, [`windows_for`] of them, each cut
+    /// moved back up to 5 s into the quietest 200 ms so it falls in a pause; segment times are offset by the window start and clamped to the audio length.
     /// `progress(done_windows, total_windows)` is called once per window, in order; `total_windows`
     /// is [`windows_for`] of the duration. Up to 8 windows are encoded and decoded as one batch
     /// (one read of the decoder weights per step for all of them), so calls come in bursts.
@@ -416,12 +484,13 @@ impl Whisper {
         let mut items: Vec<Pending> = inputs
             .iter()
             .map(|(pcm, opts)| {
-                let total = windows_for(pcm.len() as f64 / sr as f64);
+                let windows = window_cuts(pcm);
+                let total = windows.len();
                 let (language, error) = match self.resolve_language(opts) {
                     Ok(l) => (l, None),
                     Err(e) => (None, Some(e)),
                 };
-                Pending { total, language, segments: Vec::new(), error }
+                Pending { windows, total, language, segments: Vec::new(), error }
             })
             .collect();
         let windows: Vec<(usize, usize)> = items
@@ -488,12 +557,14 @@ impl Whisper {
         }
     }
 
-    /// Encodes the windows of `chunk` over `positions[row]` encoder positions each and decodes
-    /// them; `None` for a trimmed row whose greedy decode needs a fallback.
+    /// Encodes the audio of `chunk`'s rows (`ranges[row]`: samples of its input) over
+    /// `positions[row]` encoder positions each and decodes them; `None` for a trimmed row whose
+    /// greedy decode needs a fallback.
     fn encode_and_decode(
         &mut self,
         inputs: &[(&[f32], &TranscribeOptions)],
         chunk: &[(usize, usize)],
+        ranges: &[(usize, usize)],
         positions: &[usize],
         items: &mut [Pending],
     ) -> Result<Vec<Option<decode::Decoded>>> {
@@ -506,9 +577,8 @@ impl Whisper {
             let mels = rows
                 .iter()
                 .map(|&r| {
-                    let (i, w) = chunk[r];
-                    let pcm = inputs[i].0;
-                    let (start, end) = window_bounds(pcm, w);
+                    let pcm = inputs[chunk[r].0].0;
+                    let (start, end) = ranges[r];
                     let p = positions[r];
                     let mel = mel::window_mel(&self.config, &self.filters, &pcm[start..end], 2 * p, &self.device)?;
                     Ok(mel.pad_with_zeros(2, 0, 2 * (longest - p))?)
@@ -601,38 +671,67 @@ impl Whisper {
         items: &mut [Pending],
         progress: &mut dyn FnMut(usize, usize, usize),
     ) -> Result<()> {
-        let sr = m::SAMPLE_RATE;
-        let positions: Vec<usize> = chunk
-            .iter()
-            .map(|&(i, w)| {
-                let (start, end) = window_bounds(inputs[i].0, w);
-                encoder_positions(inputs[i].1.padding, end - start)
+        let ranges: Vec<(usize, usize)> = chunk.iter().map(|&(i, w)| items[i].windows[w]).collect();
+        let mut segments = self.transcribe_ranges(inputs, chunk, &ranges, items)?;
+        // Whisper may end a window early, at a timestamp well before its end, leaving speech
+        // after it untranscribed (OpenAI's loop resumes the next window from that timestamp).
+        // Such a tail runs again on its own, as one more batch of the chunk's tails.
+        let tails: Vec<(usize, (usize, usize))> = (0..chunk.len())
+            .filter_map(|r| {
+                let last_end = (segments[r].last()?.end * m::SAMPLE_RATE as f64) as usize;
+                let (start, end) = ranges[r];
+                let tail = (last_end.clamp(start, end), end);
+                untranscribed_speech(inputs[chunk[r].0].0, ranges[r], tail).then_some((r, tail))
             })
             .collect();
-        let mut decoded = self.encode_and_decode(inputs, chunk, &positions, items)?;
+        if !tails.is_empty() {
+            let rows: Vec<(usize, usize)> = tails.iter().map(|&(r, _)| chunk[r]).collect();
+            let tail_ranges: Vec<(usize, usize)> = tails.iter().map(|&(_, t)| t).collect();
+            for ((r, _), more) in tails.iter().zip(self.transcribe_ranges(inputs, &rows, &tail_ranges, items)?) {
+                segments[*r].extend(more);
+            }
+        }
+        for (&(i, w), segments) in chunk.iter().zip(segments) {
+            items[i].segments.extend(segments);
+            progress(i, w + 1, items[i].total);
+        }
+        Ok(())
+    }
+
+    /// Transcribes `ranges[row]` of `chunk[row]`'s input, for each row; its segments, in seconds
+    /// from the start of the input.
+    fn transcribe_ranges(
+        &mut self,
+        inputs: &[(&[f32], &TranscribeOptions)],
+        chunk: &[(usize, usize)],
+        ranges: &[(usize, usize)],
+        items: &mut [Pending],
+    ) -> Result<Vec<Vec<Segment>>> {
+        let sr = m::SAMPLE_RATE as f64;
+        let positions: Vec<usize> =
+            chunk.iter().zip(ranges).map(|(&(i, _), &(start, end))| encoder_positions(inputs[i].1.padding, end - start)).collect();
+        let mut decoded = self.encode_and_decode(inputs, chunk, ranges, &positions, items)?;
         // A trimmed window whose greedy decode looks wrong (a loop, low confidence) runs again
         // over the full 30 s, as Whisper was trained, before any temperature fallback.
         let redo: Vec<usize> = (0..chunk.len()).filter(|&r| decoded[r].is_none()).collect();
         if !redo.is_empty() {
             let again: Vec<(usize, usize)> = redo.iter().map(|&r| chunk[r]).collect();
+            let again_ranges: Vec<(usize, usize)> = redo.iter().map(|&r| ranges[r]).collect();
             let full = vec![FULL_POSITIONS; again.len()];
-            for (r, d) in redo.into_iter().zip(self.encode_and_decode(inputs, &again, &full, items)?) {
+            for (r, d) in redo.into_iter().zip(self.encode_and_decode(inputs, &again, &again_ranges, &full, items)?) {
                 decoded[r] = d;
             }
         }
-        for (&(i, w), d) in chunk.iter().zip(decoded) {
+        let mut out = Vec::with_capacity(chunk.len());
+        for (&(start, end), d) in ranges.iter().zip(decoded) {
             let d = d.expect("every row decoded");
-            let pcm = inputs[i].0;
-            let (_, end) = window_bounds(pcm, w);
+            let mut segments = Vec::new();
             if !d.is_silence() {
-                let offset = (w * m::N_SAMPLES) as f64 / sr as f64;
-                let mut segments = Vec::new();
-                self.segments_of(&d.tokens, offset, end as f64 / sr as f64, &mut segments)?;
-                items[i].segments.extend(segments);
+                self.segments_of(&d.tokens, start as f64 / sr, end as f64 / sr, &mut segments)?;
             }
-            progress(i, w + 1, items[i].total);
+            out.push(segments);
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Splits a window's tokens at timestamp tokens into segments; text after the last
@@ -683,7 +782,54 @@ impl Whisper {
 
 #[cfg(test)]
 mod tests {
-    use super::encoder_groups;
+    use super::{encoder_groups, m, window_cuts, windows_for};
+
+    /// `seconds` of a 440 Hz tone ("speech") with silent gaps at `gaps` (start, end) seconds.
+    fn speech_with_gaps(seconds: f64, gaps: &[(f64, f64)]) -> Vec<f32> {
+        let sr = m::SAMPLE_RATE as f64;
+        (0..(seconds * sr) as usize)
+            .map(|i| {
+                let t = i as f64 / sr;
+                if gaps.iter().any(|&(a, b)| t >= a && t < b) { 0.0 } else { (t * 440.0 * std::f64::consts::TAU).sin() as f32 * 0.3 }
+            })
+            .collect()
+    }
+
+    fn check_tiling(pcm: &[f32], cuts: &[(usize, usize)]) {
+        assert_eq!(cuts.len(), windows_for(pcm.len() as f64 / m::SAMPLE_RATE as f64));
+        assert_eq!(cuts[0].0, 0);
+        assert_eq!(cuts.last().unwrap().1, pcm.len());
+        for pair in cuts.windows(2) {
+            assert_eq!(pair[0].1, pair[1].0, "{cuts:?}");
+        }
+        assert!(cuts.iter().all(|(a, b)| b > a && b - a <= m::N_SAMPLES), "{cuts:?}");
+    }
+
+    #[test]
+    fn cuts_land_in_pauses_and_tile_the_audio_in_as_many_windows_as_it_costs() {
+        let sr = m::SAMPLE_RATE as f64;
+        // 100 s: 4 windows. Pauses at 27.0-27.4 s and 55.0-55.5 s; the first window could end
+        // anywhere from 25 s to 30 s and takes the pause, the second (from 27.2 s) takes its own.
+        let pcm = speech_with_gaps(100.0, &[(27.0, 27.4), (55.0, 55.5)]);
+        let cuts = window_cuts(&pcm);
+        check_tiling(&pcm, &cuts);
+        let first = cuts[0].1 as f64 / sr;
+        let second = cuts[1].1 as f64 / sr;
+        assert!((27.0..27.4).contains(&first), "first cut at {first} s");
+        assert!((55.0..55.5).contains(&second), "second cut at {second} s");
+    }
+
+    #[test]
+    fn without_slack_the_cuts_stay_at_30_s_and_short_audio_is_one_window() {
+        // Exactly 90 s in 3 windows: no cut can move.
+        let pcm = speech_with_gaps(90.0, &[(20.0, 21.0)]);
+        let cuts = window_cuts(&pcm);
+        check_tiling(&pcm, &cuts);
+        assert_eq!(cuts, vec![(0, m::N_SAMPLES), (m::N_SAMPLES, 2 * m::N_SAMPLES), (2 * m::N_SAMPLES, 3 * m::N_SAMPLES)]);
+        let short = speech_with_gaps(7.0, &[]);
+        assert_eq!(window_cuts(&short), vec![(0, short.len())]);
+        assert_eq!(window_cuts(&[]), vec![(0, 0)]);
+    }
 
     #[test]
     fn encoder_groups_bound_the_padding_or_keep_equal_lengths() {
