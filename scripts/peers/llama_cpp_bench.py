@@ -5,7 +5,7 @@ Set-up (builds llama.cpp from source, ~12 min on 2 cores):
     python3 -m venv /tmp/llamacpp-venv
     CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" /tmp/llamacpp-venv/bin/pip install llama-cpp-python
 Run:
-    /tmp/llamacpp-venv/bin/python scripts/peers/llama_cpp.py $TERN_MODELS_DIR/smollm2-135m-instruct/model.gguf
+    /tmp/llamacpp-venv/bin/python scripts/peers/llama_cpp_bench.py $TERN_MODELS_DIR/smollm2-135m-instruct/model.gguf
 """
 import time, sys, statistics
 from llama_cpp import Llama
