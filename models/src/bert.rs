@@ -12,18 +12,22 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{layer_norm, LayerNorm, VarBuilder};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
-use crate::cpu_ops::{gelu, Gelu};
-use crate::linear::{linear, Linear};
+use crate::cpu_ops::{add_layer_norm, bias_gelu_erf, gelu, Gelu};
+use crate::linear::{linear, linear_no_bias, Linear};
 use crate::self_attention::self_attention;
 
 struct Layer {
     /// Query, key and value stacked `(3 d, d)`; the query rows scaled by `head_dim^-0.5`.
     qkv: Linear,
+    /// The attention output's weights; its bias is the first row of `attn_norm`.
     out: Linear,
-    attn_ln: LayerNorm,
+    /// `(3, d)`: the attention output's bias, then its layer norm's gamma and beta.
+    attn_norm: Tensor,
     fc1: Linear,
+    /// The feed-forward output's weights; its bias is the first row of `out_norm`.
     fc2: Linear,
-    out_ln: LayerNorm,
+    /// `(3, d)`: the feed-forward output's bias, then its layer norm's gamma and beta.
+    out_norm: Tensor,
 }
 
 /// A BERT encoder in F32 on the CPU.
@@ -35,6 +39,7 @@ pub(crate) struct Bert {
     emb_ln: LayerNorm,
     layers: Vec<Layer>,
     heads: usize,
+    eps: f64,
 }
 
 impl Bert {
@@ -65,13 +70,17 @@ impl Bert {
                 )?;
                 let bias =
                     Tensor::cat(&[(a.get(d, "query.bias")? * scale)?, a.get(d, "key.bias")?, a.get(d, "value.bias")?], 0)?;
+                // A dense layer's bias and the layer norm after it, applied in one pass.
+                let norm = |dense: &str, ln: &str| -> Result<Tensor> {
+                    Tensor::stack(&[l.pp(dense).get(d, "bias")?, l.pp(ln).get(d, "weight")?, l.pp(ln).get(d, "bias")?], 0)
+                };
                 Ok(Layer {
                     qkv: Linear::new(weight, Some(bias)),
-                    out: linear(d, d, l.pp("attention.output.dense"))?,
-                    attn_ln: layer_norm(d, eps, l.pp("attention.output.LayerNorm"))?,
+                    out: linear_no_bias(d, d, l.pp("attention.output.dense"))?,
+                    attn_norm: norm("attention.output.dense", "attention.output.LayerNorm")?,
                     fc1: linear(d, cfg.intermediate_size, l.pp("intermediate.dense"))?,
-                    fc2: linear(cfg.intermediate_size, d, l.pp("output.dense"))?,
-                    out_ln: layer_norm(d, eps, l.pp("output.LayerNorm"))?,
+                    fc2: linear_no_bias(cfg.intermediate_size, d, l.pp("output.dense"))?,
+                    out_norm: norm("output.dense", "output.LayerNorm")?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -82,6 +91,7 @@ impl Bert {
             emb_ln: layer_norm(d, eps, e.pp("LayerNorm"))?,
             layers,
             heads: cfg.num_attention_heads,
+            eps,
         }))
     }
 
@@ -97,9 +107,13 @@ impl Bert {
             let qkv = layer.qkv.forward(&x)?;
             let (q, k, v) = (qkv.narrow(2, 0, d)?, qkv.narrow(2, d, d)?, qkv.narrow(2, 2 * d, d)?);
             let attended = self_attention(&q, &k, &v, self.heads, Some(lens))?;
-            x = layer.attn_ln.forward(&(layer.out.forward(&attended)? + &x)?)?;
-            let hidden = gelu(&layer.fc1.forward(&x)?, Gelu::Erf)?;
-            x = layer.out_ln.forward(&(layer.fc2.forward(&hidden)? + &x)?)?;
+            // Bias, residual and layer norm in one pass; bias and GELU in one pass.
+            x = add_layer_norm(&layer.out.forward(&attended)?, &x, &layer.attn_norm, self.eps)?;
+            let hidden = match layer.fc1.bias() {
+                Some(b) => bias_gelu_erf(&layer.fc1.forward_no_bias(&x)?, b)?,
+                None => gelu(&layer.fc1.forward(&x)?, Gelu::Erf)?,
+            };
+            x = add_layer_norm(&layer.fc2.forward(&hidden)?, &x, &layer.out_norm, self.eps)?;
         }
         Ok(x)
     }

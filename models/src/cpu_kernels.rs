@@ -109,6 +109,37 @@ fn gelu_erf_generic(dst: &mut [f32], src: &[f32]) {
 }
 
 #[inline(always)]
+fn bias_gelu_erf_generic(dst: &mut [f32], src: &[f32], bias: &[f32]) {
+    for ((d, &x), &b) in dst.iter_mut().zip(src).zip(bias) {
+        *d = gelu_erf(x + b);
+    }
+}
+
+#[inline(always)]
+fn add_layer_norm_generic(dst: &mut [f32], y: &[f32], residual: &[f32], params: &[f32], eps: f32) {
+    let n = dst.len();
+    let (bias, rest) = params.split_at(n);
+    let (gamma, beta) = rest.split_at(n);
+    for (((d, &a), &r), &b) in dst.iter_mut().zip(y).zip(residual).zip(bias) {
+        *d = a + r + b;
+    }
+    let mean = sum_of(dst) / n as f32;
+    let mut acc = [0f32; LANES];
+    let chunks = dst.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|v| (v - mean) * (v - mean)).sum();
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] += (c[i] - mean) * (c[i] - mean);
+        }
+    }
+    let var = (tail + acc.iter().sum::<f32>()) / n as f32;
+    let inv = 1.0 / (var + eps).sqrt();
+    for ((d, &g), &b) in dst.iter_mut().zip(gamma).zip(beta) {
+        *d = (*d - mean) * inv * g + b;
+    }
+}
+
+#[inline(always)]
 fn softmax_in_place_generic(xs: &mut [f32]) {
     let max = max_of(xs);
     for x in xs.iter_mut() {
@@ -204,6 +235,16 @@ dispatched!(
 dispatched!(
     /// `dst[i] = gelu_erf(src[i])` over the shorter of the two slices.
     gelu_erf_slice(dst: &mut [f32], src: &[f32]) = gelu_erf_generic
+);
+dispatched!(
+    /// `dst[i] = gelu_erf(src[i] + bias[i])` over the shortest slice: a linear layer's bias and
+    /// BERT's activation in one pass.
+    bias_gelu_erf(dst: &mut [f32], src: &[f32], bias: &[f32]) = bias_gelu_erf_generic
+);
+dispatched!(
+    /// One row of a post-norm residual: `dst = layer_norm(y + residual + bias) * gamma + beta`,
+    /// `params` holding `bias`, `gamma` and `beta` one after another (each as long as `dst`).
+    add_layer_norm(dst: &mut [f32], y: &[f32], residual: &[f32], params: &[f32], eps: f32) = add_layer_norm_generic
 );
 dispatched!(
     /// `xs = softmax(xs)`.

@@ -1,7 +1,8 @@
 //! candle ops that run [`crate::cpu_kernels`] over a tensor on both cores: GELU, in the tanh
-//! approximation (Whisper) or exact (BERT). On other devices or dtypes, candle's own ops.
+//! approximation (Whisper) or exact (BERT), and BERT's fused bias + GELU and residual + layer
+//! norm. On other devices or dtypes, candle's own ops.
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu_kernels;
@@ -54,5 +55,129 @@ pub(crate) fn gelu(x: &Tensor, kind: Gelu) -> Result<Tensor> {
     match kind {
         Gelu::Tanh => x.gelu(),
         Gelu::Erf => x.gelu_erf(),
+    }
+}
+
+/// Rows per parallel task for row-wise ops over rows of `n` values.
+fn rows_per_task(n: usize) -> usize {
+    (CHUNK / n.max(1)).max(1)
+}
+
+/// `gelu_erf(y + bias)`, `bias` broadcast over the rows of `y`.
+struct BiasGeluErf;
+
+impl CustomOp2 for BiasGeluErf {
+    fn name(&self) -> &'static str {
+        "bias-gelu-erf"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (y, bias) = (contiguous_f32(s1, l1)?, contiguous_f32(s2, l2)?);
+        let n = bias.len();
+        let mut dst = vec![0f32; y.len()];
+        let task = rows_per_task(n) * n;
+        dst.par_chunks_mut(task).zip(y.par_chunks(task)).for_each(|(d, s)| {
+            for (d, s) in d.chunks_mut(n).zip(s.chunks(n)) {
+                cpu_kernels::bias_gelu_erf(d, s, bias);
+            }
+        });
+        Ok((CpuStorage::F32(dst), l1.shape().clone()))
+    }
+}
+
+/// The exact GELU of `y + bias` (`y` `(..., n)`, `bias` `(n)`), in one pass over `y` on the CPU
+/// in f32; elsewhere candle's add and GELU.
+pub(crate) fn bias_gelu_erf(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    if y.device().is_cpu() && y.dtype() == DType::F32 && bias.dims1()? == y.dim(candle_core::D::Minus1)? {
+        return y.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &BiasGeluErf);
+    }
+    y.broadcast_add(bias)?.gelu_erf()
+}
+
+/// `layer_norm(y + residual + bias) * gamma + beta` per row; the third operand is `(3, n)`:
+/// bias, gamma, beta.
+struct AddLayerNorm {
+    eps: f32,
+}
+
+impl CustomOp3 for AddLayerNorm {
+    fn name(&self) -> &'static str {
+        "add-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, residual, params) = (contiguous_f32(s1, l1)?, contiguous_f32(s2, l2)?, contiguous_f32(s3, l3)?);
+        let n = params.len() / 3;
+        let mut dst = vec![0f32; y.len()];
+        let task = rows_per_task(n) * n;
+        dst.par_chunks_mut(task).zip(y.par_chunks(task).zip(residual.par_chunks(task))).for_each(|(d, (y, r))| {
+            for ((d, y), r) in d.chunks_mut(n).zip(y.chunks(n)).zip(r.chunks(n)) {
+                cpu_kernels::add_layer_norm(d, y, r, params, self.eps);
+            }
+        });
+        Ok((CpuStorage::F32(dst), l1.shape().clone()))
+    }
+}
+
+/// A post-norm residual step, `layer_norm(y + residual + bias)` scaled by `gamma` and shifted by
+/// `beta`, in one pass on the CPU in f32. `params` is `(3, n)`: bias, gamma, beta; `y` and
+/// `residual` are `(..., n)` of the same shape.
+pub(crate) fn add_layer_norm(y: &Tensor, residual: &Tensor, params: &Tensor, eps: f64) -> Result<Tensor> {
+    let n = params.dim(1)?;
+    if y.device().is_cpu() && y.dtype() == DType::F32 && y.dims() == residual.dims() && y.dim(candle_core::D::Minus1)? == n {
+        return y.contiguous()?.apply_op3_no_bwd(&residual.contiguous()?, &params.contiguous()?, &AddLayerNorm { eps: eps as f32 });
+    }
+    let x = y.add(residual)?.broadcast_add(&params.get(0)?)?;
+    let mean = x.mean_keepdim(candle_core::D::Minus1)?;
+    let centred = x.broadcast_sub(&mean)?;
+    let var = centred.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+    centred.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(&params.get(1)?)?.broadcast_add(&params.get(2)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Deterministic values in about [-3, 3].
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n).map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 6001) as f32 / 1000.0 - 3.0).collect()
+    }
+
+    fn max_difference(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn fused_bias_gelu_and_add_layer_norm_match_candles_separate_ops() {
+        let (rows, n) = (37, 384);
+        let dev = Device::Cpu;
+        let y = Tensor::from_vec(values(rows * n, 1), (rows, n), &dev).unwrap();
+        let residual = Tensor::from_vec(values(rows * n, 7), (rows, n), &dev).unwrap();
+        let bias = Tensor::from_vec(values(n, 3), n, &dev).unwrap();
+        let gamma = Tensor::from_vec(values(n, 5), n, &dev).unwrap();
+        let beta = Tensor::from_vec(values(n, 9), n, &dev).unwrap();
+
+        let fused = bias_gelu_erf(&y, &bias).unwrap();
+        let separate = y.broadcast_add(&bias).unwrap().gelu_erf().unwrap();
+        assert!(max_difference(&fused, &separate) < 1e-5);
+
+        let params = Tensor::stack(&[&bias, &gamma, &beta], 0).unwrap();
+        let fused = add_layer_norm(&y, &residual, &params, 1e-12).unwrap();
+        let sum = y.add(&residual).unwrap().broadcast_add(&bias).unwrap();
+        let separate = candle_nn::ops::layer_norm(&sum, &gamma, &beta, 1e-12).unwrap();
+        let d = max_difference(&fused, &separate);
+        assert!(d < 1e-4, "{d}");
+        // A transposed (non-contiguous) input gives the same rows.
+        let yt = y.t().unwrap().contiguous().unwrap().t().unwrap();
+        assert!(max_difference(&add_layer_norm(&yt, &residual, &params, 1e-12).unwrap(), &fused) == 0.0);
     }
 }

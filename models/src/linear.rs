@@ -23,6 +23,16 @@ impl Linear {
     /// Rows up to which `(W xᵀ)ᵀ` is used; more rows use `x Wᵀ` as candle does.
     const FEW_ROWS: usize = 64;
 
+    /// The bias `(d_out)`, if any.
+    pub(crate) fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// `x Wᵀ` without the bias, for an op that adds it in its own pass; `(..., d_out)`.
+    pub(crate) fn forward_no_bias(&self, x: &Tensor) -> Result<Tensor> {
+        Linear { weight: self.weight.clone(), bias: None }.forward(x)
+    }
+
     /// `x`: `(..., d_in)`; returns `(..., d_out)`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
