@@ -256,3 +256,42 @@ fn a_batch_serves_each_request_as_alone_and_isolates_failures() {
     assert_eq!(code(&results[2]), Some("context_length_exceeded"));
     assert_eq!(results[3].as_ref().unwrap(), &alone_greedy, "greedy, batched");
 }
+
+/// Continuous batching: a request admitted while another decodes joins it at the next step,
+/// comes out as alone, and each result is delivered as soon as its request ends (the short
+/// late one before the long first one).
+#[test]
+fn a_request_admitted_mid_batch_joins_the_running_one_and_each_comes_out_as_alone() {
+    let Some(llm) = llm() else { return };
+    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let long = GenerateOptions { max_tokens: 48, temperature: 0.8, seed: 5, ..Default::default() };
+    let short = greedy(6);
+    let question = capital_question();
+    let alone_long = llm.generate(&story, &long, &mut |_, _| true).unwrap();
+    let alone_short = llm.generate(&question, &short, &mut |_, _| true).unwrap();
+    assert!(alone_long.completion_tokens > 20, "the first request must outlast the second: {alone_long:?}");
+
+    let (mut a, mut b) = (|_: &str, _: usize| true, |_: &str, _: usize| true);
+    let mut first = Some(GenerationRequest { prompt: &story, options: &long, on_text: &mut a });
+    let mut second = Some(GenerationRequest { prompt: &question, options: &short, on_text: &mut b });
+    let (mut calls, mut running_when_joined) = (0, None);
+    let mut admit = |running: usize| {
+        calls += 1;
+        match calls {
+            1 => first.take().into_iter().collect(),
+            // Ten steps in, the second arrives.
+            11 => {
+                running_when_joined = Some(running);
+                second.take().into_iter().collect()
+            }
+            _ => Vec::new(),
+        }
+    };
+    let mut finished: Vec<(usize, Generation)> = Vec::new();
+    llm.generate_continuous(&mut admit, &mut |number, result| finished.push((number, result.unwrap())));
+    assert_eq!(running_when_joined, Some(1), "the first request was decoding when the second joined");
+    let order: Vec<usize> = finished.iter().map(|(n, _)| *n).collect();
+    assert_eq!(order, vec![1, 0], "the short late request ends first and is delivered at once");
+    assert_eq!(finished[0].1, alone_short, "joined mid-batch, greedy");
+    assert_eq!(finished[1].1, alone_long, "sampled, joined by another mid-batch");
+}

@@ -120,3 +120,38 @@ async fn partial_text_shows_while_generating_and_oversized_requests_fail_cleanly
     assert_eq!(job["error"]["code"], "context_length_exceeded", "{job}");
     assert_eq!(job["attempts"], 1, "not retried: {job}");
 }
+
+#[tokio::test]
+async fn a_short_job_submitted_while_a_long_one_decodes_joins_it_and_finishes_first() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "generate"), ("TERN_LOG", "info")]).unwrap();
+    let long = json!({"kind": "generate", "input": {"prompt": "Here is a long list of fruits, one per line:\n", "temperature": 0, "max_tokens": 300}});
+    let long_id = cluster.submit_all(&[long]).await.unwrap()[0];
+    // Wait until it decodes.
+    let started = Instant::now();
+    loop {
+        let (_, job) = cluster.get(&format!("/v1/jobs/{long_id}")).await.unwrap();
+        if job["progress"]["done"].as_u64().unwrap_or(0) >= 5 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "the long job never started: {job}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let short = json!({"kind": "generate", "input": {"messages": chat("What is the capital of France?"), "temperature": 0, "max_tokens": 8}});
+    let short_id = cluster.submit_all(&[short]).await.unwrap()[0];
+    cluster.wait_terminal(&[long_id, short_id], Duration::from_secs(180)).await.unwrap();
+    let long_out = finished(&cluster, long_id).await;
+    assert_eq!(long_out["finish_reason"], "length", "the long job must outlast the short one: {long_out}");
+    finished(&cluster, short_id).await;
+    let (long_end, short_end): (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) = sqlx::query_as(
+        "SELECT (SELECT finished_at FROM jobs WHERE id = $1), (SELECT finished_at FROM jobs WHERE id = $2)",
+    )
+    .bind(long_id)
+    .bind(short_id)
+    .fetch_one(&cluster.pg)
+    .await
+    .unwrap();
+    // With static batches the short job would wait for the long one's batch to end.
+    assert!(short_end < long_end, "the short job finished at {short_end}, after the long one at {long_end}");
+    assert!(worker.log_text().contains("joined_late=1"), "the worker's log shows the late join");
+}

@@ -64,8 +64,8 @@ struct Cli {
     /// Most padded tokens in one batch of embedding jobs. Default: calibrated, at most 32768.
     #[arg(long, env = "TERN_EMBED_BATCH_TOKENS")]
     embed_batch_tokens: Option<usize>,
-    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch; they run one
-    /// after another.
+    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight
+    /// in the running generation batch, which jobs pulled later join between decoding steps.
     #[arg(long, env = "TERN_GENERATE_BATCH_TOKENS", default_value_t = 4096)]
     generate_batch_tokens: usize,
     /// How much of the silence padding a Whisper window shorter than 30 s the encoder runs:

@@ -146,6 +146,18 @@ pub enum Prompt {
     Chat(Vec<ChatMessage>),
 }
 
+impl Prompt {
+    /// A cheap upper estimate of the prompt's tokens, for admission: a third of its characters
+    /// plus the chat template's few tokens per message (BPE tokens of English text average
+    /// about four characters).
+    pub fn approximate_tokens(&self) -> usize {
+        match self {
+            Prompt::Text(t) => t.len() / 3 + 1,
+            Prompt::Chat(messages) => messages.iter().map(|m| (m.role.len() + m.content.len()) / 3 + 5).sum::<usize>() + 20,
+        }
+    }
+}
+
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -407,27 +419,53 @@ impl Llm {
     /// is bound by reading the weights. With candle's forward pass they run one after another.
     pub fn generate_batch(&self, requests: Vec<GenerationRequest<'_>>) -> Vec<Result<Generation>> {
         let mut results: Vec<Option<Result<Generation>>> = (0..requests.len()).map(|_| None).collect();
+        let mut pending = Some(requests);
+        self.generate_continuous(&mut |_| pending.take().unwrap_or_default(), &mut |i, r| results[i] = Some(r));
+        results.into_iter().map(|r| r.expect("every request settled")).collect()
+    }
+
+    /// Continuous batching: serves the requests `admit` hands over, as [`Llm::generate_batch`]
+    /// does, and asks `admit` for more before every decoding step (its argument: how many
+    /// requests are decoding), so a request that arrives while others run joins them at the
+    /// next step instead of waiting for them all to finish. A newcomer's prompt is read before
+    /// it joins (the others wait for that read). Requests are numbered in the order `admit`
+    /// gives them, from 0; `done(number, result)` is called as soon as each one finishes. Ends
+    /// when no request is running and `admit` gives none.
+    ///
+    /// With candle's forward pass (GPUs, other quantizations) the requests run one after
+    /// another, asking `admit` between them.
+    pub fn generate_continuous<'a>(
+        &self,
+        admit: &mut dyn FnMut(usize) -> Vec<GenerationRequest<'a>>,
+        done: &mut dyn FnMut(usize, Result<Generation>),
+    ) {
+        let mut next_number = 0;
         match &self.weights {
             Weights::Tern(llama) => {
-                // (request index, its state, its cache, the token to feed next)
+                // (request number, its state, its cache, the token to feed next)
                 let mut live = Vec::new();
-                for (i, request) in requests.into_iter().enumerate() {
-                    let started = self.start(request).and_then(|(mut seq, ids)| {
-                        let mut cache = llama.new_cache(ids.len() + seq.opts.max_tokens);
-                        let mut logits = Vec::new();
-                        for chunk in ids.chunks(PREFILL_CHUNK) {
-                            logits = llama.forward(chunk, &mut cache)?;
+                loop {
+                    for request in admit(live.len()) {
+                        let number = next_number;
+                        next_number += 1;
+                        let started = self.start(request).and_then(|(mut seq, ids)| {
+                            let mut cache = llama.new_cache(ids.len() + seq.opts.max_tokens);
+                            let mut logits = Vec::new();
+                            for chunk in ids.chunks(PREFILL_CHUNK) {
+                                logits = llama.forward(chunk, &mut cache)?;
+                            }
+                            let step = seq.step(self, &self.logits_tensor(logits)?)?;
+                            Ok((seq, cache, step))
+                        });
+                        match started {
+                            Ok((seq, cache, Step::Next(token))) => live.push((number, seq, cache, token)),
+                            Ok((_, _, Step::Done(generation))) => done(number, Ok(generation)),
+                            Err(e) => done(number, Err(e)),
                         }
-                        let step = seq.step(self, &self.logits_tensor(logits)?)?;
-                        Ok((seq, cache, step))
-                    });
-                    match started {
-                        Ok((seq, cache, Step::Next(token))) => live.push((i, seq, cache, token)),
-                        Ok((_, _, Step::Done(generation))) => results[i] = Some(Ok(generation)),
-                        Err(e) => results[i] = Some(Err(e)),
                     }
-                }
-                while !live.is_empty() {
+                    if live.is_empty() {
+                        return;
+                    }
                     let tokens: Vec<[u32; 1]> = live.iter().map(|l| [l.3]).collect();
                     let mut segments: Vec<Segment<'_>> = live
                         .iter_mut()
@@ -439,30 +477,35 @@ impl Llm {
                     let logits = match logits {
                         Ok(l) => l,
                         Err(e) => {
-                            for (i, ..) in live.drain(..) {
-                                results[i] = Some(Err(anyhow!("{e:#}")));
+                            for (number, ..) in live.drain(..) {
+                                done(number, Err(anyhow!("{e:#}")));
                             }
-                            break;
+                            continue;
                         }
                     };
                     let mut still = Vec::with_capacity(live.len());
-                    for ((i, mut seq, cache, _), logits) in live.into_iter().zip(logits) {
+                    for ((number, mut seq, cache, _), logits) in live.into_iter().zip(logits) {
                         match self.logits_tensor(logits).and_then(|l| seq.step(self, &l)) {
-                            Ok(Step::Next(token)) => still.push((i, seq, cache, token)),
-                            Ok(Step::Done(generation)) => results[i] = Some(Ok(generation)),
-                            Err(e) => results[i] = Some(Err(e)),
+                            Ok(Step::Next(token)) => still.push((number, seq, cache, token)),
+                            Ok(Step::Done(generation)) => done(number, Ok(generation)),
+                            Err(e) => done(number, Err(e)),
                         }
                     }
                     live = still;
                 }
             }
-            Weights::Candle(weights) => {
-                for (i, request) in requests.into_iter().enumerate() {
-                    results[i] = Some(self.start(request).and_then(|(seq, ids)| self.run_with_candle(weights, seq, &ids)));
+            Weights::Candle(weights) => loop {
+                let requests = admit(0);
+                if requests.is_empty() {
+                    return;
                 }
-            }
+                for request in requests {
+                    let number = next_number;
+                    next_number += 1;
+                    done(number, self.start(request).and_then(|(seq, ids)| self.run_with_candle(weights, seq, &ids)));
+                }
+            },
         }
-        results.into_iter().map(|r| r.expect("every request settled")).collect()
     }
 
     /// One request through candle's `quantized_llama`.

@@ -66,9 +66,10 @@ pub struct BatchLimits {
     /// Most padded tokens of embedding texts pulled in one batch. `None`: calibrated, at most
     /// 32768.
     pub embed_tokens: Option<usize>,
-    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch; on the CPU they
-    /// decode together (one pass through the weights per step for all of them), elsewhere one
-    /// after another. Default 4096.
+    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight
+    /// in a running generation batch (requests pulled later join it between decoding steps
+    /// while they fit); on the CPU they decode together (one pass through the weights per step
+    /// for all of them), elsewhere one after another. Default 4096.
     pub generate_tokens: usize,
 }
 
@@ -370,7 +371,7 @@ impl Thread {
             match family {
                 Family::Whisper => self.transcribe(group),
                 Family::Embedder => self.embed(group),
-                Family::Llm => self.generate(group),
+                Family::Llm => self.generate(group, &rx),
             }
         }
     }
@@ -463,48 +464,107 @@ impl Thread {
         self.calibrate(&name, self.limits.embed_tokens, MAX_EMBED_TOKENS, &self.embed_tokens);
     }
 
-    fn generate(&mut self, group: Vec<Request>) {
-        let mut jobs = Vec::new();
-        for r in group {
-            if let Request::Generate { prompt, options, progress, stop, reply } = r {
-                jobs.push((prompt, options, progress, stop, reply));
-            }
-        }
+    /// Runs the generation requests of `group` and lets more join while they decode
+    /// (continuous batching): between steps, generation requests waiting on `rx` join as long
+    /// as the tokens in flight (prompt + max_tokens of each running request) stay within the
+    /// batch budget. Once a request of another family waits, none join, so the batch drains and
+    /// that request runs next. Each reply goes out as soon as its request finishes.
+    fn generate(&mut self, group: Vec<Request>, rx: &mpsc::Receiver<Request>) {
         let name = self.name_of(Family::Llm);
         let model = match self.cache.get(Family::Llm, &name) {
             Ok(Model::Llm(m)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
             Err(e) => {
-                jobs.into_iter().for_each(|(.., reply)| drop(reply.send(Err(e.clone()))));
+                for r in group {
+                    if let Request::Generate { reply, .. } = r {
+                        let _ = reply.send(Err(e.clone()));
+                    }
+                }
                 return;
             }
         };
-        type OnText<'a> = Box<dyn FnMut(&str, usize) -> bool + 'a>;
-        let mut callbacks: Vec<OnText<'_>> = jobs
-            .iter()
-            .map(|(_, _, progress, stop, _)| {
-                Box::new(move |text: &str, tokens: usize| {
-                    let _ = progress.send((text.to_string(), tokens));
-                    !stop.load(Ordering::Relaxed)
-                }) as OnText<'_>
-            })
-            .collect();
-        let requests = jobs
-            .iter()
-            .zip(callbacks.iter_mut())
-            .map(|((prompt, options, ..), on_text)| GenerationRequest { prompt, options, on_text: on_text.as_mut() })
-            .collect();
+        struct Job {
+            prompt: Prompt,
+            options: GenerateOptions,
+            on_text: Box<dyn FnMut(&str, usize) -> bool + Send>,
+        }
+        // Jobs live until the batch ends; the requests borrow them while newcomers are added.
+        let jobs: typed_arena::Arena<Job> = typed_arena::Arena::new();
+        // Per request number: its reply and its cost (prompt tokens are not known before its
+        // prompt is rendered, so the cost counts max_tokens plus the prompt's characters / 4).
+        // The progress sender sits behind a lock so that `done` can drop it: the job's
+        // progress loop ends only when it is gone, and its closure lives until the batch ends.
+        type Progress = Arc<Mutex<Option<tokio_mpsc::UnboundedSender<(String, usize)>>>>;
+        let replies: std::cell::RefCell<Vec<Option<(Reply<Generation>, usize, Progress)>>> = Default::default();
+        let in_flight = std::cell::Cell::new(0usize);
+        let budget = self.limits.generate_tokens.max(1);
+        let mut waiting: VecDeque<Request> = group.into();
+        let mut installs = Vec::new();
+        let backlog = &mut self.backlog;
         let started = Instant::now();
-        let results = model.generate_batch(requests);
-        tracing::info!(requests = jobs.len(), model_ms = started.elapsed().as_millis() as u64, "generation batch done");
-        drop(callbacks);
-        for ((.., reply), result) in jobs.into_iter().zip(results) {
+        let (mut served, mut joined_late) = (0usize, 0usize);
+        let mut first_call = true;
+        let mut admit = |_running: usize| -> Vec<GenerationRequest<'_>> {
+            if !first_call {
+                // Newcomers, unless another family is waiting for the model thread.
+                while backlog.is_empty() {
+                    match rx.try_recv() {
+                        Ok(r @ Request::Generate { .. }) => waiting.push_back(r),
+                        Ok(Request::Install { family, name, loaded, reply }) => installs.push((family, name, loaded, reply)),
+                        Ok(r) => backlog.push_back(r),
+                        Err(_) => break,
+                    }
+                }
+            }
+            let mut out = Vec::new();
+            while let Some(Request::Generate { .. }) = waiting.front() {
+                let Some(Request::Generate { prompt, options, progress, stop, reply }) = waiting.pop_front() else { unreachable!() };
+                let cost = options.max_tokens + prompt.approximate_tokens();
+                // The first request always runs, however costly.
+                if in_flight.get() > 0 && in_flight.get() + cost > budget {
+                    waiting.push_front(Request::Generate { prompt, options, progress, stop, reply });
+                    break;
+                }
+                in_flight.set(in_flight.get() + cost);
+                let progress: Progress = Arc::new(Mutex::new(Some(progress)));
+                replies.borrow_mut().push(Some((reply, cost, progress.clone())));
+                if !first_call {
+                    joined_late += 1;
+                }
+                let on_text = Box::new(move |text: &str, tokens: usize| {
+                    if let Some(p) = progress.lock().expect("not poisoned").as_ref() {
+                        let _ = p.send((text.to_string(), tokens));
+                    }
+                    !stop.load(Ordering::Relaxed)
+                });
+                let job = jobs.alloc(Job { prompt, options, on_text });
+                out.push(GenerationRequest { prompt: &job.prompt, options: &job.options, on_text: job.on_text.as_mut() });
+            }
+            first_call = false;
+            out
+        };
+        let mut done = |number: usize, result: anyhow::Result<Generation>| {
+            let Some((reply, cost, progress)) = replies.borrow_mut().get_mut(number).and_then(Option::take) else { return };
+            progress.lock().expect("not poisoned").take();
+            in_flight.set(in_flight.get().saturating_sub(cost));
+            served += 1;
             let result = result.map_err(|e| match e.downcast_ref::<GenerateError>() {
                 // A stop is seen by the job itself; the rest are the input's fault.
                 Some(g) if *g != GenerateError::Canceled => EngineError::Rejected { code: g.code(), message: g.to_string() },
                 _ => EngineError::Inference(format!("{e:#}")),
             });
             let _ = reply.send(result.map(|value| Served { value, model: name.clone() }));
+        };
+        model.generate_continuous(&mut admit, &mut done);
+        drop(admit);
+        drop(done);
+        tracing::info!(requests = served, joined_late, model_ms = started.elapsed().as_millis() as u64, "generation batch done");
+        // Requests that did not fit run in the next batch; installs wait for the batch to end.
+        for r in waiting.into_iter().rev() {
+            self.backlog.push_front(r);
+        }
+        for (family, name, loaded, reply) in installs {
+            self.install(family, name, *loaded, reply);
         }
     }
 }
