@@ -333,5 +333,41 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         }
         println!("{}: {batch} requests together: {:.1} tokens/s in all ({tokens} tokens in {secs:.2} s)", args.llm_model, tokens as f64 / secs);
     }
+    // Continuous batching: a short request (16 tokens) arrives 10 steps into a long one
+    // (`--gen-tokens`). Joined, it is answered after its own tokens; in a static batch it would
+    // wait for the long one to end first.
+    let long_opts = GenerateOptions { max_tokens: args.gen_tokens, temperature: 0.0, ..Default::default() };
+    let short_opts = GenerateOptions { max_tokens: 16, temperature: 0.0, ..Default::default() };
+    let (mut a, mut b) = (|_: &str, _: usize| true, |_: &str, _: usize| true);
+    let mut first = Some(GenerationRequest { prompt: &prompt, options: &long_opts, on_text: &mut a });
+    let mut second = Some(GenerationRequest { prompt: &prompt, options: &short_opts, on_text: &mut b });
+    let (mut calls, mut arrived) = (0, None);
+    let mut ended: Vec<(usize, Instant, usize)> = Vec::new();
+    let start = Instant::now();
+    llm.generate_continuous(
+        &mut |_| {
+            calls += 1;
+            match calls {
+                1 => first.take().into_iter().collect(),
+                11 => {
+                    arrived = Some(Instant::now());
+                    second.take().into_iter().collect()
+                }
+                _ => Vec::new(),
+            }
+        },
+        &mut |number, result| ended.push((number, Instant::now(), result.map(|g| g.completion_tokens).unwrap_or(0))),
+    );
+    let arrived = arrived.context("the long request ended before the short one arrived: raise --gen-tokens")?;
+    let end_of = |n: usize| ended.iter().find(|e| e.0 == n).map(|e| e.1).context("a request never ended");
+    let (short_end, long_end) = (end_of(1)?, end_of(0)?);
+    println!(
+        "{}: a 16-token request arriving 10 steps into a {}-token one: answered {:.0} ms after it arrived (joined); the long one ended {:.0} ms after it ({:.2} s in all)",
+        args.llm_model,
+        args.gen_tokens,
+        short_end.duration_since(arrived).as_secs_f64() * 1e3,
+        long_end.duration_since(arrived).as_secs_f64() * 1e3,
+        long_end.duration_since(start).as_secs_f64(),
+    );
     Ok(())
 }
