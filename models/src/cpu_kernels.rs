@@ -270,6 +270,103 @@ dispatched!(
     axpy(acc: &mut [f32], w: f32, x: &[f32]) = axpy_generic
 );
 
+/// Dot products of one row of f16 weights with `T` rows of f32 activations, `ws.len()` values
+/// each: `out[t] = Σ w[i] * xs[t][i]`. Each row's sum is taken in the same order whatever `T`
+/// is, so a row's products do not depend on the rows beside it.
+///
+/// Weights held as f16 halve the bytes a product reads; Whisper's checkpoints are stored in
+/// f16, so nothing is rounded that the file had not rounded already.
+pub(crate) fn dots_f16<const T: usize>(ws: &[half::f16], xs: [&[f32]; T]) -> [f32; T] {
+    debug_assert!(xs.iter().all(|x| x.len() >= ws.len()));
+    #[cfg(target_arch = "x86_64")]
+    match f16_level() {
+        // SAFETY: `f16_level` found the features these versions are compiled for, and every
+        // load stays within `ws` and the first `ws.len()` values of each row.
+        F16Level::Avx512 => return unsafe { f16_x86::dots_avx512(ws, xs) },
+        F16Level::Avx2 => return unsafe { f16_x86::dots_avx2(ws, xs) },
+        F16Level::Baseline => {}
+    }
+    let mut out = [0f32; T];
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = ws.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
+    }
+    out
+}
+
+/// The f16 conversions need F16C next to AVX2 (AVX-512F has its own).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum F16Level {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn f16_level() -> F16Level {
+    static LEVEL: std::sync::OnceLock<F16Level> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| match level() {
+        Level::Avx512 => F16Level::Avx512,
+        Level::Avx2 if is_x86_feature_detected!("f16c") => F16Level::Avx2,
+        _ => F16Level::Baseline,
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod f16_x86 {
+    use std::arch::x86_64::*;
+
+    /// Values of the tail past the last full vector, added after the vector sums.
+    #[inline(always)]
+    fn tail<const T: usize>(ws: &[half::f16], xs: &[&[f32]; T], from: usize, out: &mut [f32; T]) {
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o += ws[from..].iter().zip(&x[from..]).map(|(w, x)| w.to_f32() * x).sum::<f32>();
+        }
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn dots_avx512<const T: usize>(ws: &[half::f16], xs: [&[f32]; T]) -> [f32; T] {
+        let n = ws.len();
+        let mut acc = [_mm512_setzero_ps(); T];
+        let mut i = 0;
+        while i + 16 <= n {
+            let w = _mm512_cvtph_ps(_mm256_loadu_si256(ws.as_ptr().add(i).cast()));
+            for t in 0..T {
+                acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[t].as_ptr().add(i)), acc[t]);
+            }
+            i += 16;
+        }
+        let mut out = [0f32; T];
+        for t in 0..T {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
+        }
+        tail(ws, &xs, i, &mut out);
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dots_avx2<const T: usize>(ws: &[half::f16], xs: [&[f32]; T]) -> [f32; T] {
+        let n = ws.len();
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut i = 0;
+        while i + 8 <= n {
+            let w = _mm256_cvtph_ps(_mm_loadu_si128(ws.as_ptr().add(i).cast()));
+            for t in 0..T {
+                acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[t].as_ptr().add(i)), acc[t]);
+            }
+            i += 8;
+        }
+        let mut out = [0f32; T];
+        for t in 0..T {
+            let half = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps::<1>(acc[t]));
+            let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            out[t] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps::<1>(pair, pair)));
+        }
+        tail(ws, &xs, i, &mut out);
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,6 +416,23 @@ mod tests {
         for i in 0..4 {
             let want = gate[i] / (1.0 + (-gate[i]).exp()) * up[i];
             assert!((got[i] - want).abs() < 1e-5, "silu_mul[{i}]: {} vs {want}", got[i]);
+        }
+    }
+
+    #[test]
+    fn f16_dots_match_f64_sums_and_each_row_is_the_same_alone_or_in_a_tile() {
+        for n in [7usize, 16, 40, 384] {
+            let w: Vec<half::f16> = (0..n).map(|i| half::f16::from_f32(((i * 37 % 101) as f32 - 50.0) / 64.0)).collect();
+            let rows: Vec<Vec<f32>> =
+                (0..4).map(|r| (0..n).map(|i| ((i * 13 + r * 7) % 29) as f32 / 3.0 - 4.5).collect()).collect();
+            let tile = dots_f16(&w, [&rows[0], &rows[1], &rows[2], &rows[3]]);
+            for (r, x) in rows.iter().enumerate() {
+                let [alone] = dots_f16(&w, [x]);
+                assert_eq!(alone.to_bits(), tile[r].to_bits(), "row {r} of {n}: alone {alone}, in a tile {}", tile[r]);
+                let exact: f64 = w.iter().zip(x).map(|(w, x)| f64::from(w.to_f32()) * f64::from(*x)).sum();
+                let scale: f64 = w.iter().zip(x).map(|(w, x)| f64::from(w.to_f32() * x).abs()).sum();
+                assert!((f64::from(alone) - exact).abs() <= 1e-6 * (1.0 + scale), "row {r} of {n}: {alone} vs {exact}");
+            }
         }
     }
 

@@ -11,6 +11,9 @@ use std::collections::HashMap;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
+/// The `dtype` byte of an F16 variable.
+pub(crate) const DTYPE_F16: u8 = 4;
+
 /// One variable as stored.
 pub(crate) struct RawVar {
     pub dims: Vec<usize>,
@@ -97,9 +100,9 @@ impl RawVar {
                     .collect();
                 Tensor::from_vec(v, shape, &dev)?
             }
-            4 | 5 => {
+            DTYPE_F16 | 5 => {
                 check_len(name, self.data.len(), n * 2)?;
-                let dt = if self.dtype == 4 {
+                let dt = if self.dtype == DTYPE_F16 {
                     DType::F16
                 } else {
                     DType::BF16

@@ -124,7 +124,8 @@ impl KvCache {
 
 /// The text decoder of a Whisper model.
 pub(crate) struct Decoder {
-    /// `(vocab, d_model)`, also the output projection.
+    /// `(vocab, d_model)`, also the output projection. Held in F16 where [`Decoder::load`] was
+    /// asked to, while the rest computes in its own dtype.
     embed_tokens: Tensor,
     /// `(max_target_positions, d_model)`.
     embed_positions: Tensor,
@@ -137,11 +138,15 @@ pub(crate) struct Decoder {
 }
 
 impl Decoder {
-    /// Loads from a `model.decoder` VarBuilder (the HF / candle tensor names).
-    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+    /// Loads from a `model.decoder` VarBuilder (the HF / candle tensor names). With
+    /// `embeddings_in_f16` (for F32 on the CPU, from a checkpoint stored in F16), the token
+    /// embeddings stay in F16: a decoding step's logits read the whole matrix (80 MB in F32 for
+    /// tiny), and that read is most of a step's time.
+    pub fn load(vb: VarBuilder, cfg: &Config, embeddings_in_f16: bool) -> Result<Self> {
         let n_state = cfg.d_model;
         let n_head = cfg.decoder_attention_heads;
         let embed_tokens = vb.get((cfg.vocab_size, n_state), "embed_tokens.weight")?;
+        let embed_tokens = if embeddings_in_f16 { embed_tokens.to_dtype(DType::F16)? } else { embed_tokens };
         let embed_positions = vb.get(
             (cfg.max_target_positions, n_state),
             "embed_positions.weight",
@@ -240,6 +245,7 @@ impl Decoder {
         let emb = self
             .embed_tokens
             .index_select(&tokens.flatten_all()?, 0)?
+            .to_dtype(self.embed_positions.dtype())?
             .reshape((b, t, ()))?;
         let pos = self.embed_positions.narrow(0, offset, t)?;
         let mut x = emb.broadcast_add(&pos)?;
@@ -336,6 +342,17 @@ impl Decoder {
 
     /// Logits rows as CPU vectors.
     pub fn logits_vecs(&self, hidden: &Tensor, pos: usize) -> Result<Vec<Vec<f32>>> {
+        if self.embed_tokens.dtype() == DType::F16 && hidden.dtype() == DType::F32 && hidden.device().is_cpu() {
+            let (_, _, d) = hidden.dims3()?;
+            let h = hidden.i((.., pos, ..))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let (storage, layout) = self.embed_tokens.storage_and_layout();
+            let (candle_core::Storage::Cpu(candle_core::CpuStorage::F16(w)), Some((from, to))) =
+                (&*storage, layout.contiguous_offsets())
+            else {
+                candle_core::bail!("F16 token embeddings are expected contiguous on the CPU");
+            };
+            return Ok(crate::linear::few_rows_times_f16(&w[from..to], d, &h));
+        }
         self.logits_at(hidden, pos)?
             .to_dtype(DType::F32)?
             .to_device(&Device::Cpu)?

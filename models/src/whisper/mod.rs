@@ -14,7 +14,7 @@ mod mel;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::Device;
+use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_transformers::models::whisper::{self as m, Config};
 
@@ -329,6 +329,10 @@ impl Whisper {
         let vars = ct2::read_model_bin(&bytes)
             .with_context(|| format!("parsing {}", bin_path.display()))?;
         drop(bytes);
+        // F16 token embeddings for F32 on the CPU hold what the file holds, in half the bytes.
+        let embeddings_in_f16 = device.is_cpu()
+            && dtype == DType::F32
+            && vars.get("decoder/embeddings/weight").is_some_and(|v| v.dtype == ct2::DTYPE_F16);
         let ct2::Ct2Whisper {
             tensors,
             mut config,
@@ -347,8 +351,13 @@ impl Whisper {
         let tokenizer = Tokenizer::from_file(&tok_path)
             .map_err(|e| anyhow!("loading {}: {e}", tok_path.display()))?;
 
+        let weights_bytes = if embeddings_in_f16 {
+            weights_bytes - (config.vocab_size * config.d_model * 2) as u64
+        } else {
+            weights_bytes
+        };
         let vb = VarBuilder::from_tensors(tensors, dtype, device);
-        let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config)
+        let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config, embeddings_in_f16)
             .context("building the whisper decoder")?;
         let encoder = encoder::Encoder::load(vb.pp("model.encoder"), &config)
             .context("building the whisper encoder")?;
