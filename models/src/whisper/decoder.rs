@@ -141,7 +141,7 @@ impl Decoder {
     /// Loads from a `model.decoder` VarBuilder (the HF / candle tensor names). With
     /// `embeddings_in_f16` (for F32 on the CPU, from a checkpoint stored in F16), the token
     /// embeddings stay in F16: a decoding step's logits read the whole matrix (80 MB in F32 for
-    /// tiny), and that read is most of a step's time.
+    /// tiny), and that read was about half of a step at five rows.
     pub fn load(vb: VarBuilder, cfg: &Config, embeddings_in_f16: bool) -> Result<Self> {
         let n_state = cfg.d_model;
         let n_head = cfg.decoder_attention_heads;
