@@ -106,7 +106,7 @@ impl Bert {
         for layer in &self.layers {
             let qkv = layer.qkv.forward(&x)?;
             let (q, k, v) = (qkv.narrow(2, 0, d)?, qkv.narrow(2, d, d)?, qkv.narrow(2, 2 * d, d)?);
-            let attended = self_attention(&q, &k, &v, self.heads, Some(lens))?;
+            let attended = self_attention(&q, &k, &v, self.heads, Some(lens), false)?;
             // Bias, residual and layer norm in one pass; bias and GELU in one pass.
             x = add_layer_norm(&layer.out.forward(&attended)?, &x, &layer.attn_norm, self.eps)?;
             let hidden = match layer.fc1.bias() {

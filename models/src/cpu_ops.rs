@@ -18,6 +18,21 @@ pub(crate) fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Re
     Ok(&storage.as_slice::<f32>()?[start..end])
 }
 
+/// An output buffer's base pointer, shared by parallel tasks that each write their own
+/// disjoint part of it.
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: each task writes only its own part of the buffer, which outlives the tasks.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The element `offset` places past the base.
+    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
+        // SAFETY: callers pass offsets inside the buffer.
+        unsafe { self.0.add(offset) }
+    }
+}
+
 /// Which GELU.
 #[derive(Clone, Copy)]
 pub(crate) enum Gelu {

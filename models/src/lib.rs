@@ -17,6 +17,7 @@
 pub mod allocator;
 pub mod audio;
 mod bert;
+mod bf16_gemm;
 mod cpu_kernels;
 mod cpu_ops;
 pub mod cpu_threads;

@@ -4,6 +4,7 @@ use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
+use crate::bf16_gemm::Bf16Linear;
 use crate::cpu_kernels;
 
 /// A linear layer `x Wᵀ + b` (weights `(d_out, d_in)` as PyTorch stores them) that stays fast
@@ -11,20 +12,46 @@ use crate::cpu_kernels;
 ///
 /// candle's `Linear` computes `x Wᵀ`, where gemm re-packs the whole transposed weight matrix
 /// on every call; for a handful of rows that packing costs more than the products. Computed as
-/// `(W xᵀ)ᵀ`, the weights are read once in their own layout.
+/// `(W xᵀ)ᵀ`, the weights are read once in their own layout. After [`Linear::in_bf16`], the
+/// products are BF16 ones ([`Bf16Linear`]) for any number of rows.
 pub(crate) struct Linear {
-    weight: Tensor,
+    weight: Weight,
     bias: Option<Tensor>,
+}
+
+enum Weight {
+    F32(Tensor),
+    Bf16(Bf16Linear),
 }
 
 impl Linear {
     /// `weight` `(d_out, d_in)`, `bias` `(d_out)`.
     pub(crate) fn new(weight: Tensor, bias: Option<Tensor>) -> Linear {
-        Linear { weight, bias }
+        Linear { weight: Weight::F32(weight), bias }
     }
 
     /// Rows up to which `(W xᵀ)ᵀ` is used; more rows use `x Wᵀ` as candle does.
     const FEW_ROWS: usize = 64;
+
+    /// This layer with its weights packed for BF16 products where the CPU runs them
+    /// ([`crate::bf16_gemm::available`]), else unchanged.
+    pub(crate) fn in_bf16(self) -> Result<Linear> {
+        let Weight::F32(weight) = &self.weight else {
+            return Ok(self);
+        };
+        match Bf16Linear::pack(weight, self.bias.as_ref())? {
+            Some(packed) => Ok(Linear { weight: Weight::Bf16(packed), bias: self.bias }),
+            None => Ok(self),
+        }
+    }
+
+    /// Bytes the weights take below F32 (half of them once in BF16).
+    pub(crate) fn bytes_saved(&self) -> usize {
+        match &self.weight {
+            Weight::F32(_) => 0,
+            Weight::Bf16(packed) => packed.weight_count() * 2,
+        }
+    }
 
     /// The bias `(d_out)`, if any.
     pub(crate) fn bias(&self) -> Option<&Tensor> {
@@ -33,38 +60,45 @@ impl Linear {
 
     /// `x Wᵀ` without the bias, for an op that adds it in its own pass; `(..., d_out)`.
     pub(crate) fn forward_no_bias(&self, x: &Tensor) -> Result<Tensor> {
-        Linear { weight: self.weight.clone(), bias: None }.forward(x)
+        match &self.weight {
+            Weight::F32(weight) => Linear::new(weight.clone(), None).forward(x),
+            Weight::Bf16(packed) => packed.forward(x, false),
+        }
     }
 
     /// `x`: `(..., d_in)`; returns `(..., d_out)`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let weight = match &self.weight {
+            Weight::F32(weight) => weight,
+            Weight::Bf16(packed) => return packed.forward(x, true),
+        };
         let dims = x.dims().to_vec();
         let d_in = *dims.last().expect("at least one dimension");
         let rows = x.elem_count() / d_in.max(1);
         let x2 = x.reshape((rows, d_in))?;
         let y = if rows <= Self::FEW_ROWS {
-            self.weight.matmul(&x2.t()?)?.t()?
+            weight.matmul(&x2.t()?)?.t()?
         } else {
-            x2.matmul(&self.weight.t()?)?
+            x2.matmul(&weight.t()?)?
         };
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y.contiguous()?,
         };
         let mut out_dims = dims;
-        *out_dims.last_mut().expect("at least one dimension") = self.weight.dim(0)?;
+        *out_dims.last_mut().expect("at least one dimension") = weight.dim(0)?;
         y.reshape(out_dims)
     }
 }
 
 /// `weight` `(d_out, d_in)` and `bias` from `vb`.
 pub(crate) fn linear(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
-    Ok(Linear { weight: vb.get((d_out, d_in), "weight")?, bias: Some(vb.get(d_out, "bias")?) })
+    Ok(Linear::new(vb.get((d_out, d_in), "weight")?, Some(vb.get(d_out, "bias")?)))
 }
 
 /// `weight` `(d_out, d_in)` from `vb`, no bias.
 pub(crate) fn linear_no_bias(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Linear> {
-    Ok(Linear { weight: vb.get((d_out, d_in), "weight")?, bias: None })
+    Ok(Linear::new(vb.get((d_out, d_in), "weight")?, None))
 }
 
 /// Activation rows taken together against each weight row by [`few_rows_times_f16`].

@@ -4,15 +4,19 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::bf16_gemm::{self, PackedB};
 use crate::cpu_kernels;
-use crate::cpu_ops::contiguous_f32;
+use crate::cpu_ops::{contiguous_f32, OutPtr};
 
 /// Softmax attention of `q`, `k`, `v` (f32 on the CPU), each `(batch, len, heads * head_dim)`,
 /// queries already scaled; sequence `b` attends over its first `lens[b]` positions (all
-/// without `lens`) and its other rows come out zero. See [`SelfAttention`].
-pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, lens: Option<&[usize]>) -> Result<Tensor> {
+/// without `lens`) and its other rows come out zero. With `bf16` (where
+/// [`bf16_gemm::available`]), both products take BF16 operands with F32 sums. See
+/// [`SelfAttention`].
+pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, lens: Option<&[usize]>, bf16: bool) -> Result<Tensor> {
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads, lens: lens.map(<[usize]>::to_vec) })
+    let bf16 = bf16 && bf16_gemm::available();
+    q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads, lens: lens.map(<[usize]>::to_vec), bf16 })
 }
 
 /// Multi-head softmax attention of `q`, `k`, `v`, each `(batch, len, d_model)` with the heads
@@ -30,19 +34,48 @@ pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, l
 struct SelfAttention {
     heads: usize,
     lens: Option<Vec<usize>>,
+    /// Products in BF16 ([`bf16_head`]).
+    bf16: bool,
 }
 
-/// The output's base pointer, shared by the tasks that write disjoint heads of it.
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own (window, head) block of the buffer, which outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+/// A task's buffers for [`bf16_head`], kept from one head to the next.
+#[derive(Default)]
+struct Bf16Scratch {
+    queries: Vec<u32>,
+    keys: PackedB,
+    values: PackedB,
+    scores: Vec<f32>,
+    weights: Vec<u32>,
+}
 
-impl OutPtr {
-    fn at(&self, offset: usize) -> *mut f32 {
-        // SAFETY: callers pass offsets inside the buffer.
-        unsafe { self.0.add(offset) }
+/// One head of one window with BF16 products: `n` positions, rows `d` apart from `base` in
+/// `q`, `k`, `v` and `out`, `hd` values each. Scores and softmax stay in F32; the softmax
+/// weights are rounded to BF16 for the second product, as flash attention does on GPUs.
+///
+/// # Safety
+/// [`bf16_gemm::available`]; `out` holds this head's `n` rows (`d` apart, from `base`) and no
+/// other task writes them.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bf16_head(scratch: &mut Bf16Scratch, q: &[f32], k: &[f32], v: &[f32], base: usize, n: usize, hd: usize, d: usize, out: *mut f32) {
+    let Bf16Scratch { queries, keys, values, scores, weights } = scratch;
+    let hd_pairs = hd.div_ceil(2);
+    queries.resize(n * hd_pairs, 0);
+    for (r, dst) in queries.chunks_exact_mut(hd_pairs).enumerate() {
+        bf16_gemm::row_to_bf16(&q[base + r * d..base + r * d + hd], dst);
     }
+    keys.refill(hd, n, |i, j| k[base + j * d + i]);
+    values.refill(n, hd, |p, j| v[base + p * d + j]);
+    scores.resize(n * n, 0.0);
+    // scores (n x n) = q_head (n x hd) . k_headᵀ (hd x n)
+    bf16_gemm::products(queries, n, keys, 0, n, None, scores.as_mut_ptr(), n);
+    let n_pairs = n.div_ceil(2);
+    weights.resize(n * n_pairs, 0);
+    for (s, w) in scores.chunks_exact_mut(n).zip(weights.chunks_exact_mut(n_pairs)) {
+        cpu_kernels::softmax_in_place(s);
+        bf16_gemm::row_to_bf16(s, w);
+    }
+    // out_head (n x hd) = weights (n x n) . v_head (n x hd)
+    bf16_gemm::products(weights, n, values, 0, hd, None, out.add(base), d);
 }
 
 impl CustomOp3 for SelfAttention {
@@ -72,6 +105,16 @@ impl CustomOp3 for SelfAttention {
             if lens.len() != b || lens.iter().any(|&n| n == 0 || n > len) {
                 candle_core::bail!("self-attention: lengths {lens:?} for {b} windows of {len}");
             }
+        }
+        if self.bf16 {
+            (0..b * h).into_par_iter().for_each_init(Bf16Scratch::default, |scratch, pair| {
+                let n = self.lens.as_ref().map_or(len, |l| l[pair / h]);
+                let base = (pair / h) * len * d + (pair % h) * hd;
+                // SAFETY: `self_attention` checked the CPU; this task alone writes this
+                // head's rows of `out`.
+                unsafe { bf16_head(scratch, q, k, v, base, n, hd, d, dst.at(0)) };
+            });
+            return Ok((CpuStorage::F32(out), ql.shape().clone()));
         }
         (0..b * h).into_par_iter().for_each_init(
             || vec![0f32; len * len],

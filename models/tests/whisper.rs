@@ -248,11 +248,20 @@ fn half_precision_transcribes_like_f32() {
     let mut whisper = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, Precision::F16).expect("load tiny.en in F16");
     // F32 on the CPU keeps the token embeddings (51864 x 384 for tiny.en) in F16, as stored.
     let embeddings_f16 = 51_864 * 384 * 2;
+    let f32_bytes = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, Precision::F32).expect("load tiny.en in F32").weights_bytes();
     assert_eq!(
         whisper.weights_bytes() * 2 - embeddings_f16,
-        load(&dir).weights_bytes(),
+        f32_bytes,
         "F16 holds half the bytes of F32, but for the token embeddings, F16 in both"
     );
+    // `Auto` on a CPU with AVX-512 BF16 holds the linear layers in BF16 (the rest as F32 does)
+    // plus a BF16 copy of the token embeddings packed for the logits.
+    let auto_bytes = load(&dir).weights_bytes();
+    if Precision::cpu_has_bf16_products() {
+        assert!(auto_bytes < f32_bytes + embeddings_f16 / 2 && auto_bytes > f32_bytes / 2, "auto {auto_bytes}, F32 {f32_bytes}");
+    } else {
+        assert_eq!(auto_bytes, f32_bytes, "auto is F32 on a CPU without AVX-512 BF16");
+    }
     whisper.warmup(2).expect("warmup in F16");
     let tr = whisper.transcribe(&pcm, &TranscribeOptions::default(), &mut |_, _| {}).unwrap();
     let r = words(&reference);

@@ -39,7 +39,8 @@ struct Args {
     /// Device: `cpu`, `cuda[:N]` or `metal[:N]` (GPUs need the matching cargo feature).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Precision of Whisper: auto (F32 on the CPU, F16 on a GPU), f32, f16 or bf16.
+    /// Precision of Whisper: auto (F32 on the CPU, with BF16 products where the CPU has AVX-512
+    /// BF16; F16 on a GPU), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     precision: Precision,
     /// Sections to run, comma-separated: transcribe, embed, generate.
@@ -118,7 +119,12 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dir = expand_home(&args.models_dir);
     let device = parse_device(&args.device)?;
-    println!("tern-bench-models: device {}, precision {}", args.device, args.precision);
+    let bf16 = if args.device == "cpu" && args.precision == Precision::Auto && Precision::cpu_has_bf16_products() {
+        " (BF16 products: this CPU has AVX-512 BF16)"
+    } else {
+        ""
+    };
+    println!("tern-bench-models: device {}, precision {}{bf16}", args.device, args.precision);
     for section in &args.only {
         match section.as_str() {
             "transcribe" => transcribe(&args, &dir, &device)?,

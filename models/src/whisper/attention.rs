@@ -9,6 +9,7 @@
 use candle_core::{Device, Result, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::bf16_gemm::{self, PackedB};
 use crate::cpu_kernels;
 
 /// How the keys are laid out per (row, head).
@@ -82,4 +83,57 @@ pub(crate) fn attend_one(
         },
     );
     Ok(Some(Tensor::from_vec(out, (batch, heads, 1, hd), q.device())?))
+}
+
+/// One head's cross-attention keys and values for one window, packed for BF16 products over
+/// the window's own frames: keys as `(head_dim x frames)`, values as `(frames x head_dim)`.
+pub(crate) struct PackedHead {
+    keys: PackedB,
+    values: PackedB,
+}
+
+impl PackedHead {
+    /// Packs `frames` rows of `head_dim` keys (already scaled) and values; `key(p, i)` and
+    /// `value(p, i)` give value `i` of frame `p`.
+    pub(crate) fn new(frames: usize, head_dim: usize, key: impl Fn(usize, usize) -> f32, value: impl Fn(usize, usize) -> f32) -> PackedHead {
+        PackedHead { keys: PackedB::new(head_dim, frames, |i, p| key(p, i)), values: PackedB::new(frames, head_dim, value) }
+    }
+}
+
+/// Softmax attention of `q` `(batch, heads, tokens, head_dim)` (already scaled, F32 on the
+/// CPU) over `heads[b * heads + h]`, each (row, head) with BF16 products and F32 scores and
+/// softmax. Returns `(batch, heads, tokens, head_dim)`. Only where [`bf16_gemm::available`] (the
+/// packed heads exist only there).
+pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> Result<Tensor> {
+    let (batch, h, t, hd) = q.dims4()?;
+    if heads.len() != batch * h {
+        candle_core::bail!("cross-attention: {} packed heads for {batch} rows of {h}", heads.len());
+    }
+    let qd = q.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; batch * h * t * hd];
+    let hd_pairs = hd.div_ceil(2);
+    out.par_chunks_mut(t * hd).enumerate().for_each_init(
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |(queries, scores, weights), (pair, o)| {
+            let head = &heads[pair];
+            let n = head.keys.cols();
+            queries.resize(t * hd_pairs, 0);
+            for (x, dst) in qd[pair * t * hd..(pair + 1) * t * hd].chunks_exact(hd).zip(queries.chunks_exact_mut(hd_pairs)) {
+                bf16_gemm::row_to_bf16(x, dst);
+            }
+            scores.resize(t * n, 0.0);
+            // SAFETY: packed heads exist only where the CPU has the features; `scores` holds
+            // `t` rows of `n` values and `o` `t` rows of `hd`.
+            unsafe { bf16_gemm::products(queries, t, &head.keys, 0, n, None, scores.as_mut_ptr(), n) };
+            let n_pairs = n.div_ceil(2);
+            weights.resize(t * n_pairs, 0);
+            for (s, w) in scores.chunks_exact_mut(n).zip(weights.chunks_exact_mut(n_pairs)) {
+                cpu_kernels::softmax_in_place(s);
+                bf16_gemm::row_to_bf16(s, w);
+            }
+            // SAFETY: as above.
+            unsafe { bf16_gemm::products(weights, t, &head.values, 0, hd, None, o.as_mut_ptr(), hd) };
+        },
+    );
+    Tensor::from_vec(out, (batch, h, t, hd), q.device())
 }

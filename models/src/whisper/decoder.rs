@@ -9,11 +9,19 @@
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::{layer_norm, LayerNorm, VarBuilder};
+use rayon::prelude::*;
 use candle_transformers::models::whisper::Config;
 
-use super::attention::{self, KeyLayout};
+use std::sync::Arc;
+
+use super::attention::{self, KeyLayout, PackedHead};
 use super::LAYER_NORM_EPS;
+use crate::bf16_gemm::{self, PackedB};
+use crate::cpu_ops::OutPtr;
 use crate::linear::{linear, linear_no_bias, Linear};
+
+/// Vocabulary columns per parallel task of the BF16 logits.
+const LOGITS_TASK_COLS: usize = 1024;
 
 struct Attention {
     q: Linear,
@@ -23,6 +31,11 @@ struct Attention {
 }
 
 impl Attention {
+    /// The four layers through `f` (packing them for BF16 products, say).
+    fn products(self, f: impl Fn(Linear) -> Result<Linear>) -> Result<Self> {
+        Ok(Attention { q: f(self.q)?, k: f(self.k)?, v: f(self.v)?, out: f(self.out)? })
+    }
+
     fn load(n_state: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Attention {
             q: linear(n_state, n_state, vb.pp("q_proj"))?,
@@ -46,13 +59,18 @@ struct Layer {
 /// Cross-attention keys (scaled, laid out `(batch, head, head_dim, frames)`) and values
 /// (`(batch, head, frames, head_dim)`) of every layer for one batch of encoded windows.
 /// Rows encoded with fewer frames than the batch holds carry a mask over the padding, so each
-/// row attends to exactly what it would alone.
+/// row attends to exactly what it would alone. Where the decoder takes BF16 products, each
+/// (layer, row, head) is packed instead, over the row's own frames.
 pub(crate) struct CrossKv {
     layers: Vec<(Tensor, Tensor)>,
     /// `(batch, 1, 1, frames)`: 0 for a row's own frames, -inf for its padding.
     mask: Option<Tensor>,
     /// Each row's own frames, when some row has padding (the mask's lengths).
     frames: Option<Vec<usize>>,
+    /// Per layer, per (row, head) (`row * heads + head`): the packed BF16 keys and values;
+    /// empty where `layers` holds tensors.
+    packed: Vec<Vec<Arc<PackedHead>>>,
+    heads: usize,
 }
 
 impl CrossKv {
@@ -65,7 +83,13 @@ impl CrossKv {
             .collect::<Result<Vec<_>>>()?;
         let mask = self.mask.as_ref().map(|m| m.narrow(0, b, 1)).transpose()?;
         let frames = self.frames.as_ref().map(|f| vec![f[b]]);
-        Ok(CrossKv { layers, mask, frames })
+        Ok(CrossKv { layers, mask, frames, packed: self.packed_rows(&[b]), heads: self.heads })
+    }
+
+    /// The packed heads of `rows`, in that order.
+    fn packed_rows(&self, rows: &[usize]) -> Vec<Vec<Arc<PackedHead>>> {
+        let h = self.heads;
+        self.packed.iter().map(|layer| rows.iter().flat_map(|&r| layer[r * h..(r + 1) * h].iter().cloned()).collect()).collect()
     }
 
     /// The keys/values of the given batch rows, in that order.
@@ -73,8 +97,9 @@ impl CrossKv {
         if rows.len() == 1 {
             return self.row(rows[0]);
         }
+        let packed = self.packed_rows(rows);
         let Some((k0, _)) = self.layers.first() else {
-            return Ok(CrossKv { layers: Vec::new(), mask: None, frames: None });
+            return Ok(CrossKv { layers: Vec::new(), mask: None, frames: None, packed, heads: self.heads });
         };
         let index = Tensor::from_vec(
             rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
@@ -88,7 +113,7 @@ impl CrossKv {
             .collect::<Result<Vec<_>>>()?;
         let mask = self.mask.as_ref().map(|m| m.index_select(&index, 0)).transpose()?;
         let frames = self.frames.as_ref().map(|f| rows.iter().map(|&r| f[r]).collect());
-        Ok(CrossKv { layers, mask, frames })
+        Ok(CrossKv { layers, mask, frames, packed, heads: self.heads })
     }
 }
 
@@ -135,6 +160,9 @@ pub(crate) struct Decoder {
     head_dim: usize,
     /// `head_dim^-0.25`, applied to both queries and keys.
     scale: f64,
+    /// The token embeddings packed for BF16 logits (`d_model x vocab`), where the decoder takes
+    /// BF16 products.
+    logits_bf16: Option<PackedB>,
 }
 
 impl Decoder {
@@ -142,11 +170,22 @@ impl Decoder {
     /// `embeddings_in_f16` (for F32 on the CPU, from a checkpoint stored in F16), the token
     /// embeddings stay in F16: a decoding step's logits read the whole matrix (80 MB in F32 for
     /// tiny), and that read was about half of a step at five rows.
-    pub fn load(vb: VarBuilder, cfg: &Config, embeddings_in_f16: bool) -> Result<Self> {
+    ///
+    /// With `bf16_products` (F32 on the CPU), the layers' linear products and the logits run in
+    /// BF16 where the CPU has AVX-512 BF16 ([`crate::bf16_gemm`]): a step of 16 rows then costs
+    /// about what a step of a few rows did, where F32 and F16 products were compute-bound.
+    pub fn load(vb: VarBuilder, cfg: &Config, embeddings_in_f16: bool, bf16_products: bool) -> Result<Self> {
         let n_state = cfg.d_model;
         let n_head = cfg.decoder_attention_heads;
         let embed_tokens = vb.get((cfg.vocab_size, n_state), "embed_tokens.weight")?;
+        let logits_bf16 = if bf16_products && bf16_gemm::available() {
+            let e = embed_tokens.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Some(PackedB::new(n_state, cfg.vocab_size, |i, j| e[j * n_state + i]))
+        } else {
+            None
+        };
         let embed_tokens = if embeddings_in_f16 { embed_tokens.to_dtype(DType::F16)? } else { embed_tokens };
+        let product = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { Ok(l) };
         let embed_positions = vb.get(
             (cfg.max_target_positions, n_state),
             "embed_positions.weight",
@@ -155,12 +194,12 @@ impl Decoder {
             .map(|i| {
                 let vb = vb.pp(format!("layers.{i}"));
                 Ok(Layer {
-                    self_attn: Attention::load(n_state, vb.pp("self_attn"))?,
+                    self_attn: Attention::load(n_state, vb.pp("self_attn"))?.products(product)?,
                     self_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("self_attn_layer_norm"))?,
-                    cross_attn: Attention::load(n_state, vb.pp("encoder_attn"))?,
+                    cross_attn: Attention::load(n_state, vb.pp("encoder_attn"))?.products(product)?,
                     cross_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("encoder_attn_layer_norm"))?,
-                    fc1: linear(n_state, 4 * n_state, vb.pp("fc1"))?,
-                    fc2: linear(4 * n_state, n_state, vb.pp("fc2"))?,
+                    fc1: product(linear(n_state, 4 * n_state, vb.pp("fc1"))?)?,
+                    fc2: product(linear(4 * n_state, n_state, vb.pp("fc2"))?)?,
                     mlp_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("final_layer_norm"))?,
                 })
             })
@@ -175,7 +214,23 @@ impl Decoder {
             n_head,
             head_dim,
             scale: (head_dim as f64).powf(-0.25),
+            logits_bf16,
         })
+    }
+
+    /// Bytes the layers' weights take below F32 (those packed in BF16; the logits' packed copy
+    /// of the token embeddings is counted by the caller).
+    pub fn bytes_saved(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.self_attn.q, &l.self_attn.k, &l.self_attn.v, &l.self_attn.out, &l.cross_attn.q, &l.cross_attn.k, &l.cross_attn.v, &l.cross_attn.out, &l.fc1, &l.fc2])
+            .map(Linear::bytes_saved)
+            .sum()
+    }
+
+    /// Bytes of the BF16 logits' packed token embeddings, if any.
+    pub fn logits_bf16_bytes(&self) -> usize {
+        self.logits_bf16.as_ref().map_or(0, |p| p.cols() * p.pairs() * 4)
     }
 
     /// Device the weights live on.
@@ -202,6 +257,9 @@ impl Decoder {
     /// masked out); `None` when every row uses all of them.
     pub fn cross_kv(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
         let (b, total, _) = audio_features.dims3()?;
+        if self.logits_bf16.is_some() {
+            return self.cross_kv_bf16(audio_features, frames);
+        }
         let mask = match frames {
             Some(frames) if frames.iter().any(|&f| f < total) => {
                 let m: Vec<f32> = frames
@@ -224,7 +282,32 @@ impl Decoder {
                 Ok((k, v))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(CrossKv { layers, mask, frames })
+        Ok(CrossKv { layers, mask, frames, packed: Vec::new(), heads: self.n_head })
+    }
+
+    /// [`Decoder::cross_kv`] packed per (layer, row, head) for BF16 products, each row over its
+    /// own frames only (so no mask).
+    fn cross_kv_bf16(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
+        let (b, total, _) = audio_features.dims3()?;
+        let (h, hd) = (self.n_head, self.head_dim);
+        let packed = self
+            .layers
+            .iter()
+            .map(|l| {
+                let k = (self.heads(&l.cross_attn.k.forward(audio_features)?)? * self.scale)?.flatten_all()?.to_vec1::<f32>()?;
+                let v = self.heads(&l.cross_attn.v.forward(audio_features)?)?.flatten_all()?.to_vec1::<f32>()?;
+                // Both `(batch, head, frames, head_dim)`.
+                Ok((0..b * h)
+                    .into_par_iter()
+                    .map(|pair| {
+                        let n = frames.map_or(total, |f| f[pair / h].min(total));
+                        let base = pair * total * hd;
+                        Arc::new(PackedHead::new(n, hd, |p, i| k[base + p * hd + i], |p, i| v[base + p * hd + i]))
+                    })
+                    .collect())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CrossKv { layers: Vec::new(), mask: None, frames: None, packed, heads: h })
     }
 
     /// An empty self-attention cache.
@@ -267,12 +350,7 @@ impl Decoder {
         } else {
             None
         };
-        for ((layer, kv), (ck, cv)) in self
-            .layers
-            .iter()
-            .zip(cache.layers.iter_mut())
-            .zip(cross.layers.iter())
-        {
+        for (i, (layer, kv)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             // Self-attention over cache + new tokens.
             let h = layer.self_ln.forward(&x)?;
             let a = &layer.self_attn;
@@ -304,15 +382,19 @@ impl Decoder {
             let h = layer.cross_ln.forward(&x)?;
             let a = &layer.cross_attn;
             let q = (self.heads(&a.q.forward(&h)?)? * self.scale)?;
-            let o = match attention::attend_one(&q, ck, KeyLayout::Transposed, cv, cross.frames.as_deref())? {
-                Some(o) => o,
-                None => {
-                    let mut scores = q.matmul(ck)?;
-                    if let Some(mask) = &cross.mask {
-                        scores = scores.broadcast_add(mask)?;
+            let o = match (cross.packed.get(i), cross.layers.get(i)) {
+                (Some(packed), _) => attention::attend_bf16(&q, packed)?,
+                (None, Some((ck, cv))) => match attention::attend_one(&q, ck, KeyLayout::Transposed, cv, cross.frames.as_deref())? {
+                    Some(o) => o,
+                    None => {
+                        let mut scores = q.matmul(ck)?;
+                        if let Some(mask) = &cross.mask {
+                            scores = scores.broadcast_add(mask)?;
+                        }
+                        candle_nn::ops::softmax_last_dim(&scores)?.matmul(cv)?
                     }
-                    candle_nn::ops::softmax_last_dim(&scores)?.matmul(cv)?
-                }
+                },
+                (None, None) => candle_core::bail!("no cross-attention keys for layer {i}"),
             };
             let o = self.merge(&o)?;
             x = (x + a.out.forward(&o)?)?;
@@ -342,6 +424,26 @@ impl Decoder {
 
     /// Logits rows as CPU vectors.
     pub fn logits_vecs(&self, hidden: &Tensor, pos: usize) -> Result<Vec<Vec<f32>>> {
+        if let Some(packed) = &self.logits_bf16 {
+            let (_, _, d) = hidden.dims3()?;
+            let h = hidden.i((.., pos, ..))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+            let rows = h.len() / d;
+            let pairs = packed.pairs();
+            let mut a = vec![0u32; rows * pairs];
+            for (x, dst) in h.chunks_exact(d).zip(a.chunks_exact_mut(pairs)) {
+                bf16_gemm::row_to_bf16(x, dst);
+            }
+            let vocab = packed.cols();
+            let mut out = vec![0f32; rows * vocab];
+            let out_at = OutPtr(out.as_mut_ptr());
+            (0..vocab.div_ceil(LOGITS_TASK_COLS)).into_par_iter().for_each(|t| {
+                let (c0, c1) = (t * LOGITS_TASK_COLS, ((t + 1) * LOGITS_TASK_COLS).min(vocab));
+                // SAFETY: `logits_bf16` exists only where the CPU has the features; columns
+                // c0..c1 of every row belong to this task alone.
+                unsafe { bf16_gemm::products(&a, rows, packed, c0, c1, None, out_at.at(0), vocab) };
+            });
+            return Ok(out.chunks_exact(vocab).map(<[f32]>::to_vec).collect());
+        }
         if self.embed_tokens.dtype() == DType::F16 && hidden.dtype() == DType::F32 && hidden.device().is_cpu() {
             let (_, _, d) = hidden.dims3()?;
             let h = hidden.i((.., pos, ..))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;

@@ -338,7 +338,7 @@ impl Whisper {
             mut config,
         } = ct2::to_candle(&vars)?;
         drop(vars);
-        let weights_bytes = tensors.values().map(|t| (t.elem_count() * dtype.size_in_bytes()) as u64).sum();
+        let weights_bytes: u64 = tensors.values().map(|t| (t.elem_count() * dtype.size_in_bytes()) as u64).sum();
 
         let cfg_path = dir.join("config.json");
         let ct2_cfg: Ct2Config = serde_json::from_slice(
@@ -357,10 +357,15 @@ impl Whisper {
             weights_bytes
         };
         let vb = VarBuilder::from_tensors(tensors, dtype, device);
-        let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config, embeddings_in_f16)
+        // `Auto` on the CPU lets the products run in BF16 where the CPU has them; an explicit
+        // `F32` keeps every product in F32.
+        let bf16_products = device.is_cpu() && dtype == DType::F32 && precision == Precision::Auto;
+        let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config, embeddings_in_f16, bf16_products)
             .context("building the whisper decoder")?;
-        let encoder = encoder::Encoder::load(vb.pp("model.encoder"), &config)
+        let encoder = encoder::Encoder::load(vb.pp("model.encoder"), &config, bf16_products)
             .context("building the whisper encoder")?;
+        let weights_bytes = weights_bytes + decoder.logits_bf16_bytes() as u64
+            - (encoder.bytes_saved() + decoder.bytes_saved()) as u64;
 
         let no_timestamps = token(&tokenizer, m::NO_TIMESTAMPS_TOKEN)?;
         let specials = Specials {
