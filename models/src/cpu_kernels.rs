@@ -152,6 +152,23 @@ fn softmax_in_place_generic(xs: &mut [f32]) {
 }
 
 #[inline(always)]
+fn log_sum_exp_generic(xs: &[f32]) -> f32 {
+    let max = max_of(xs);
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    let mut acc = [0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|&x| fast_exp(x - max)).sum();
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] += fast_exp(c[i] - max);
+        }
+    }
+    max + (tail + acc.iter().sum::<f32>()).ln()
+}
+
+#[inline(always)]
 fn axpy_generic(acc: &mut [f32], w: f32, x: &[f32]) {
     for (a, &v) in acc.iter_mut().zip(x) {
         *a += w * v;
@@ -253,6 +270,12 @@ dispatched!(
 dispatched!(
     /// `Σ a[i] * b[i]` over the shorter of the two slices.
     dot(a: &[f32], b: &[f32]) -> f32 = dot_generic
+);
+dispatched!(
+    /// `ln Σ e^x` over `xs` (`-inf` when empty or all `-inf`), with [`fast_exp`]: an entry
+    /// more than 87 below the largest counts as `e^-87` instead of less, which moves the sum
+    /// by under 1e-33 per entry.
+    log_sum_exp(xs: &[f32]) -> f32 = log_sum_exp_generic
 );
 dispatched!(
     /// `dst[i] = silu(gate[i]) * up[i]` (llama's gated feed-forward) over the shortest slice.
@@ -455,6 +478,8 @@ mod tests {
                 let want = (a[i] - max).exp() / denom;
                 assert!((out[i] - want).abs() <= 1e-5 * (1.0 + want), "softmax[{i}] at {n}");
             }
+            let lse = max + denom.ln();
+            assert!((log_sum_exp(&a) - lse).abs() <= 1e-5 * (1.0 + lse.abs()), "log_sum_exp at {n}");
             let mut acc = b.clone();
             axpy(&mut acc, 0.5, &a);
             for i in 0..n {

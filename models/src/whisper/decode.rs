@@ -6,6 +6,7 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::decoder::{CrossKv, Decoder};
+use crate::cpu_kernels::log_sum_exp;
 
 /// Special token ids and suppression lists, resolved once at load time.
 #[derive(Debug, Clone)]
@@ -60,15 +61,6 @@ impl Rng {
         self.0 ^= self.0 >> 27;
         (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
     }
-}
-
-/// `ln(sum(exp(x)))`, `-inf` for an empty or all `-inf` slice.
-fn log_sum_exp(x: &[f32]) -> f32 {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY {
-        return max;
-    }
-    max + x.iter().map(|&v| (v - max).exp()).sum::<f32>().ln()
 }
 
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
