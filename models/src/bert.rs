@@ -40,13 +40,16 @@ pub(crate) struct Bert {
     layers: Vec<Layer>,
     heads: usize,
     eps: f64,
+    /// Whether the products run in BF16 ([`crate::bf16_gemm`]).
+    bf16: bool,
 }
 
 impl Bert {
     /// Loads `embeddings.*` and `encoder.layer.N.*` (or the same under `bert.`) in F32 on the
     /// CPU; `None` for a configuration this code does not cover (an activation other than
-    /// exact GELU, relative positions), which candle's model then runs.
-    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Option<Bert>> {
+    /// exact GELU, relative positions), which candle's model then runs. With `bf16_products`,
+    /// the linear layers and attention take BF16 products where the CPU has AVX-512 BF16.
+    pub fn load(vb: VarBuilder, cfg: &Config, bf16_products: bool) -> Result<Option<Bert>> {
         if !vb.device().is_cpu()
             || vb.dtype() != DType::F32
             || cfg.hidden_act != HiddenAct::Gelu
@@ -60,6 +63,8 @@ impl Bert {
         let (d, eps) = (cfg.hidden_size, cfg.layer_norm_eps);
         let scale = ((d / cfg.num_attention_heads) as f64).powf(-0.5);
         let e = vb.pp("embeddings");
+        let bf16 = bf16_products && crate::bf16_gemm::available();
+        let product = |l: Linear| if bf16 { l.in_bf16() } else { Ok(l) };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let l = vb.pp(format!("encoder.layer.{i}"));
@@ -75,11 +80,11 @@ impl Bert {
                     Tensor::stack(&[l.pp(dense).get(d, "bias")?, l.pp(ln).get(d, "weight")?, l.pp(ln).get(d, "bias")?], 0)
                 };
                 Ok(Layer {
-                    qkv: Linear::new(weight, Some(bias)),
-                    out: linear_no_bias(d, d, l.pp("attention.output.dense"))?,
+                    qkv: product(Linear::new(weight, Some(bias)))?,
+                    out: product(linear_no_bias(d, d, l.pp("attention.output.dense"))?)?,
                     attn_norm: norm("attention.output.dense", "attention.output.LayerNorm")?,
-                    fc1: linear(d, cfg.intermediate_size, l.pp("intermediate.dense"))?,
-                    fc2: linear_no_bias(cfg.intermediate_size, d, l.pp("output.dense"))?,
+                    fc1: product(linear(d, cfg.intermediate_size, l.pp("intermediate.dense"))?)?,
+                    fc2: product(linear_no_bias(cfg.intermediate_size, d, l.pp("output.dense"))?)?,
                     out_norm: norm("output.dense", "output.LayerNorm")?,
                 })
             })
@@ -92,7 +97,13 @@ impl Bert {
             layers,
             heads: cfg.num_attention_heads,
             eps,
+            bf16,
         }))
+    }
+
+    /// Bytes the weights take below F32 (those packed in BF16).
+    pub fn bytes_saved(&self) -> usize {
+        self.layers.iter().flat_map(|l| [&l.qkv, &l.out, &l.fc1, &l.fc2]).map(Linear::bytes_saved).sum()
     }
 
     /// Hidden states `(batch, len, d)` of token ids `(batch, len)` (u32), text `b` being its
@@ -106,7 +117,7 @@ impl Bert {
         for layer in &self.layers {
             let qkv = layer.qkv.forward(&x)?;
             let (q, k, v) = (qkv.narrow(2, 0, d)?, qkv.narrow(2, d, d)?, qkv.narrow(2, 2 * d, d)?);
-            let attended = self_attention(&q, &k, &v, self.heads, Some(lens), false)?;
+            let attended = self_attention(&q, &k, &v, self.heads, Some(lens), self.bf16)?;
             // Bias, residual and layer norm in one pass; bias and GELU in one pass.
             x = add_layer_norm(&layer.out.forward(&attended)?, &x, &layer.attn_norm, self.eps)?;
             let hidden = match layer.fc1.bias() {

@@ -13,6 +13,8 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
 use tokenizers::{Tokenizer, TruncationParams};
 
+use crate::precision::Precision;
+
 /// Tokens kept per text (sentence-transformers' setting for all-MiniLM-L6-v2); longer texts are
 /// truncated, never refused.
 pub const MAX_TOKENS_PER_TEXT: usize = 256;
@@ -50,6 +52,12 @@ impl Embedder {
     /// that half precision gains little: on an H100, 17,130 texts/s in F32 against 18,090 in
     /// BF16 (batch 128, docs/benchmarks.md).
     pub fn load(dir: &Path, device: &Device) -> Result<Embedder> {
+        Self::load_in(dir, device, Precision::Auto)
+    }
+
+    /// [`Self::load`], with `precision` choosing the products on the CPU: `Auto` takes BF16
+    /// products (F32 sums) where the CPU has AVX-512 BF16, anything else keeps F32 ones.
+    pub fn load_in(dir: &Path, device: &Device, precision: Precision) -> Result<Embedder> {
         let cfg_path = dir.join("config.json");
         let config: Config = serde_json::from_slice(
             &std::fs::read(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?,
@@ -71,9 +79,13 @@ impl Embedder {
             .len();
         // SAFETY: the file is only read; tern's models directory is not rewritten while in use.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
-        let model = match crate::bert::Bert::load(vb.clone(), &config).context("building the BERT model")? {
+        let model = match crate::bert::Bert::load(vb.clone(), &config, precision == Precision::Auto).context("building the BERT model")? {
             Some(bert) => Encoder::Tern(bert),
             None => Encoder::Candle(BertModel::load(vb, &config).context("building the BERT model")?),
+        };
+        let weights_bytes = match &model {
+            Encoder::Tern(bert) => weights_bytes.saturating_sub(bert.bytes_saved() as u64),
+            Encoder::Candle(_) => weights_bytes,
         };
         Ok(Embedder { model, tokenizer, device: device.clone(), dimensions: config.hidden_size, weights_bytes })
     }
@@ -83,7 +95,8 @@ impl Embedder {
         self.dimensions
     }
 
-    /// Bytes of weights held (the safetensors file size; F32 on the CPU).
+    /// Bytes of weights held (the safetensors file size, F32, less half of the layers packed in
+    /// BF16).
     pub fn weights_bytes(&self) -> u64 {
         self.weights_bytes
     }

@@ -2,8 +2,9 @@
 
 use candle_core::{DType, Device};
 
-/// Precision of Whisper's weights and activations (the embedder computes in F32, see
-/// [`crate::embed::Embedder::load`]; the language model keeps its GGUF quantisation). `Auto`
+/// Precision of Whisper's weights and activations (the embedder computes in F32 but for the
+/// BF16 products below, see [`crate::embed::Embedder::load_in`]; the language model keeps its
+/// GGUF quantisation). `Auto`
 /// (the default) is F16 on a GPU, where half precision doubles the tensor cores' rate and halves
 /// the memory per window, and F32 on the CPU, where candle's half-precision kernels are slower
 /// than its F32 ones, except that on CPUs with AVX-512 BF16 the encoder's linear layers take

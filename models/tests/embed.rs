@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 
 use candle_core::Device;
+use tern_models::precision::Precision;
 use tern_models::embed::Embedder;
 
 fn model_dir() -> Option<PathBuf> {
@@ -32,13 +33,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn cosine_matches_the_reference_value() {
     let Some(dir) = model_dir() else { return };
-    let model = Embedder::load(&dir, &Device::Cpu).unwrap();
-    let v = model.embed(&["A man is eating food.", "A man is eating a piece of bread."]).unwrap();
-    assert_eq!(v[0].len(), 384);
-    let norm = dot(&v[0], &v[0]).sqrt();
-    assert!((norm - 1.0).abs() < 1e-5, "vectors are unit length, got {norm}");
-    let cosine = dot(&v[0], &v[1]);
-    assert!((cosine - 0.755).abs() <= 0.005, "cosine {cosine}, reference 0.755");
+    // `Auto` takes BF16 products on a CPU with AVX-512 BF16; `F32` never does.
+    for precision in [Precision::Auto, Precision::F32] {
+        let model = Embedder::load_in(&dir, &Device::Cpu, precision).unwrap();
+        let v = model.embed(&["A man is eating food.", "A man is eating a piece of bread."]).unwrap();
+        assert_eq!(v[0].len(), 384);
+        let norm = dot(&v[0], &v[0]).sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "{precision}: vectors are unit length, got {norm}");
+        let cosine = dot(&v[0], &v[1]);
+        assert!((cosine - 0.755).abs() <= 0.005, "{precision}: cosine {cosine}, reference 0.755");
+    }
 }
 
 #[test]

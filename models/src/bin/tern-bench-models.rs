@@ -234,7 +234,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn embed(args: &Args, dir: &Path, device: &Device) -> Result<()> {
-    let embedder = Embedder::load(&dir.join(&args.embed_model), device).context("run scripts/models.sh --all")?;
+    let embedder = Embedder::load_in(&dir.join(&args.embed_model), device, args.precision).context("run scripts/models.sh --all")?;
     let texts: Vec<String> = (0..args.embed_texts).map(sentence).collect();
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let tokens: usize = embedder.count_tokens(&refs)?.iter().sum();

@@ -282,7 +282,7 @@ fn estimate_bytes(family: Family, dir: &Path, whisper_dtype: candle_core::DType)
 fn load(family: Family, dir: &Path, device: &Device, precision: Precision) -> anyhow::Result<Model> {
     Ok(match family {
         Family::Whisper => Model::Whisper(Whisper::load_ct2_in(dir, device, precision)?),
-        Family::Embedder => Model::Embedder(Embedder::load(dir, device)?),
+        Family::Embedder => Model::Embedder(Embedder::load_in(dir, device, precision)?),
         Family::Llm => Model::Llm(Llm::load_gguf(dir, device)?),
     })
 }
