@@ -139,6 +139,11 @@ impl Bf16Linear {
         Ok(Some(Bf16Linear { weights, bias }))
     }
 
+    /// Output width (`d_out`).
+    pub(crate) fn d_out(&self) -> usize {
+        self.weights.n
+    }
+
     /// Number of weights (`d_out x d_in`).
     pub(crate) fn weight_count(&self) -> usize {
         self.weights.k * self.weights.n
@@ -163,8 +168,14 @@ impl Bf16Linear {
     /// `rows` rows of `x` times the weights, plus the bias, split over rayon's threads by
     /// blocks of rows and columns.
     fn rows_times(&self, x: &[f32], rows: usize, with_bias: bool) -> Vec<f32> {
-        let (d_in, d_out, pairs) = (self.weights.k, self.weights.n, self.weights.pairs());
-        let a = to_bf16_pairs(x, rows, d_in);
+        self.pair_rows_times(&to_bf16_pairs(x, rows, self.weights.k), rows, with_bias)
+    }
+
+    /// [`Bf16Linear::forward`] on `rows` rows already in BF16 pairs (`d_in / 2` rounded up
+    /// each, as [`to_bf16_pairs`] makes them).
+    pub(crate) fn pair_rows_times(&self, a: &[u32], rows: usize, with_bias: bool) -> Vec<f32> {
+        let (d_out, pairs) = (self.weights.n, self.weights.pairs());
+        assert_eq!(a.len(), rows * pairs, "{rows} rows of {pairs} BF16 pairs");
         let bias = if with_bias { self.bias.as_deref() } else { None };
         let mut out = vec![0f32; rows * d_out];
         let out_at = OutPtr(out.as_mut_ptr());
@@ -183,7 +194,7 @@ impl Bf16Linear {
 
 /// `rows` rows of `cols` F32 values as rows of BF16 pairs (see [`row_to_bf16`]), on rayon's
 /// threads.
-fn to_bf16_pairs(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
+pub(crate) fn to_bf16_pairs(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
     let pairs = cols.div_ceil(2);
     let mut out = vec![0u32; rows * pairs];
     out.par_chunks_mut(pairs * 64).zip(x.par_chunks(cols * 64)).for_each(|(dst, src)| {

@@ -12,8 +12,10 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{layer_norm, Conv1d, Conv1dConfig, LayerNorm, VarBuilder};
 use candle_transformers::models::whisper::Config;
+use rayon::prelude::*;
 
 use super::LAYER_NORM_EPS;
+use crate::bf16_gemm::{self, Bf16Linear};
 use crate::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
 use crate::self_attention::self_attention;
@@ -21,6 +23,58 @@ use crate::self_attention::self_attention;
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
     let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
     Ok(Conv1d::new(vb.get((c_out, c_in, 3), "weight")?, Some(vb.get(c_out, "bias")?), cfg))
+}
+
+/// One of Whisper's convolutions (kernel 3, padding 1) as BF16 products, channels last: output
+/// position `t` is the product of input positions `stride t - 1 ..= stride t + 1` side by side
+/// (zeros past the ends) with the weights reordered to match. candle's F32 convolution was a
+/// sixth of the encoder once its linear layers took BF16 products.
+struct Bf16Conv {
+    product: Bf16Linear,
+    c_in: usize,
+    stride: usize,
+}
+
+impl Bf16Conv {
+    /// `None` where the CPU lacks AVX-512 BF16 or `c_in` is odd (whole BF16 pairs per position).
+    fn new(conv: &Conv1d) -> Result<Option<Bf16Conv>> {
+        let (c_out, c_in, k) = conv.weight().dims3()?;
+        if k != 3 || c_in % 2 != 0 || conv.config().padding != 1 || conv.config().dilation != 1 || conv.config().groups != 1 {
+            return Ok(None);
+        }
+        let weight = conv.weight().permute((0, 2, 1))?.contiguous()?.reshape((c_out, 3 * c_in))?;
+        Ok(Bf16Linear::pack(&weight, conv.bias())?.map(|product| Bf16Conv { product, c_in, stride: conv.config().stride }))
+    }
+
+    /// `x` `(batch, len, c_in)` F32 on the CPU; returns `(batch, (len - 1) / stride + 1, c_out)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, len, c) = x.dims3()?;
+        if c != self.c_in || len == 0 {
+            candle_core::bail!("convolution over {c} channels of {len} positions; it takes {}", self.c_in);
+        }
+        let x = x.contiguous()?;
+        let pairs = {
+            let (storage, layout) = x.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                candle_core::bail!("BF16 products run on the CPU");
+            };
+            bf16_gemm::to_bf16_pairs(crate::cpu_ops::contiguous_f32(cpu, layout)?, b * len, c)
+        };
+        let (per_position, out_len) = (c / 2, (len - 1) / self.stride + 1);
+        let mut rows = vec![0u32; b * out_len * 3 * per_position];
+        rows.par_chunks_mut(3 * per_position).enumerate().for_each(|(r, row)| {
+            let (window, t) = (r / out_len, r % out_len);
+            for (k, dst) in row.chunks_exact_mut(per_position).enumerate() {
+                // Input position `stride t + k - 1`; outside the window it stays zero.
+                if let Some(p) = (t * self.stride + k).checked_sub(1).filter(|&p| p < len) {
+                    let from = (window * len + p) * per_position;
+                    dst.copy_from_slice(&pairs[from..from + per_position]);
+                }
+            }
+        });
+        let out = self.product.pair_rows_times(&rows, b * out_len, true);
+        Tensor::from_vec(out, (b, out_len, self.product.d_out()), x.device())
+    }
 }
 
 struct Block {
@@ -45,6 +99,8 @@ impl Block {
 pub(crate) struct Encoder {
     conv1: Conv1d,
     conv2: Conv1d,
+    /// Both convolutions as BF16 products, where the blocks take them.
+    bf16_convs: Option<(Bf16Conv, Bf16Conv)>,
     /// Sinusoids `(1500, d_model)`.
     positions: Tensor,
     blocks: Vec<Block>,
@@ -95,9 +151,16 @@ impl Encoder {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let conv1 = conv1d(cfg.num_mel_bins, d, 1, vb.pp("conv1"))?;
+        let conv2 = conv1d(d, d, 2, vb.pp("conv2"))?;
+        let bf16_convs = match (bf16_products, blocks.first().is_some_and(|b: &Block| b.q.bytes_saved() > 0)) {
+            (true, true) => Bf16Conv::new(&conv1)?.zip(Bf16Conv::new(&conv2)?),
+            _ => None,
+        };
         Ok(Encoder {
-            conv1: conv1d(cfg.num_mel_bins, d, 1, vb.pp("conv1"))?,
-            conv2: conv1d(d, d, 2, vb.pp("conv2"))?,
+            conv1,
+            conv2,
+            bf16_convs,
             positions: sinusoids(cfg.max_source_positions, d, vb.device())?.to_dtype(vb.dtype())?,
             blocks,
             ln_post: layer_norm(d, LAYER_NORM_EPS, vb.pp("layer_norm"))?,
@@ -127,9 +190,16 @@ impl Encoder {
     /// and its positions up to there come out as they would alone; the rest is padding.
     pub fn forward(&self, mel: &Tensor, lens: Option<&[usize]>) -> Result<Tensor> {
         let mel = mel.to_dtype(self.positions.dtype())?;
-        let x = gelu(&self.conv1.forward(&mel)?, Gelu::Tanh)?;
-        let x = gelu(&self.conv2.forward(&x)?, Gelu::Tanh)?;
-        let x = x.transpose(1, 2)?;
+        let x = match &self.bf16_convs {
+            Some((conv1, conv2)) => {
+                let x = gelu(&conv1.forward(&mel.transpose(1, 2)?)?, Gelu::Tanh)?;
+                gelu(&conv2.forward(&x)?, Gelu::Tanh)?
+            }
+            None => {
+                let x = gelu(&self.conv1.forward(&mel)?, Gelu::Tanh)?;
+                gelu(&self.conv2.forward(&x)?, Gelu::Tanh)?.transpose(1, 2)?
+            }
+        };
         let (b, len, d) = x.dims3()?;
         let mut x = x.broadcast_add(&self.positions.narrow(0, 0, len)?)?;
         let (h, hd) = (self.n_head, d / self.n_head);
