@@ -154,3 +154,39 @@ impl CustomOp3 for SelfAttention {
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
+    }
+
+    /// Windows of different lengths, two heads: the BF16 products give the F32 result within
+    /// their rounding, and the padding's rows stay zero.
+    #[test]
+    fn bf16_heads_match_f32_ones() {
+        if !bf16_gemm::available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let (b, len, heads, hd) = (2usize, 41usize, 2usize, 8usize);
+        let lens = [41usize, 17];
+        let t = |seed| Tensor::from_vec(values(b * len * heads * hd, seed), (b, len, heads * hd), &Device::Cpu).unwrap();
+        let (q, k, v) = (t(1), t(2), t(3));
+        let want = self_attention(&q, &k, &v, heads, Some(&lens), false).unwrap().to_vec3::<f32>().unwrap();
+        let got = self_attention(&q, &k, &v, heads, Some(&lens), true).unwrap().to_vec3::<f32>().unwrap();
+        for w in 0..b {
+            for p in 0..len {
+                for (i, (g, x)) in got[w][p].iter().zip(&want[w][p]).enumerate() {
+                    if p >= lens[w] {
+                        assert_eq!(*g, 0.0, "window {w}, padding position {p}");
+                    }
+                    assert!((g - x).abs() < 0.02, "window {w}, position {p}, value {i}: {g} vs {x}");
+                }
+            }
+        }
+    }
+}

@@ -137,3 +137,60 @@ pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> R
     );
     Tensor::from_vec(out, (batch, h, t, hd), q.device())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
+    }
+
+    /// Against the F32 kernel over the transposed keys: two rows of different lengths (the
+    /// shorter masked there, packed short here), two heads, one and two query tokens.
+    #[test]
+    fn bf16_cross_attention_matches_f32_within_bf16_rounding() {
+        if !bf16_gemm::available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let (batch, h, hd, frames) = (2usize, 2usize, 8usize, 37usize);
+        let lens = [37usize, 20];
+        let k = values(batch * h * frames * hd, 1);
+        let v = values(batch * h * frames * hd, 2);
+        let packed: Vec<Arc<PackedHead>> = (0..batch * h)
+            .map(|pair| {
+                let base = pair * frames * hd;
+                Arc::new(PackedHead::new(lens[pair / h], hd, |p, i| k[base + p * hd + i], |p, i| v[base + p * hd + i]))
+            })
+            .collect();
+        // `(batch, head, head_dim, frames)` for the F32 kernel.
+        let mut k_t = vec![0f32; k.len()];
+        for pair in 0..batch * h {
+            for p in 0..frames {
+                for i in 0..hd {
+                    k_t[pair * frames * hd + i * frames + p] = k[pair * frames * hd + p * hd + i];
+                }
+            }
+        }
+        let dev = Device::Cpu;
+        let k_t = Tensor::from_vec(k_t, (batch, h, hd, frames), &dev).unwrap();
+        let v_t = Tensor::from_vec(v.clone(), (batch, h, frames, hd), &dev).unwrap();
+        for t in [1usize, 2] {
+            let q = Tensor::from_vec(values(batch * h * t * hd, 3 + t), (batch, h, t, hd), &dev).unwrap();
+            let got = attend_bf16(&q, &packed).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for tok in 0..t {
+                let q_tok = q.narrow(2, tok, 1).unwrap().contiguous().unwrap();
+                let want = attend_one(&q_tok, &k_t, KeyLayout::Transposed, &v_t, Some(&lens)).unwrap().expect("F32 on the CPU");
+                let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for pair in 0..batch * h {
+                    for i in 0..hd {
+                        let (g, w) = (got[(pair * t + tok) * hd + i], want[pair * hd + i]);
+                        assert!((g - w).abs() < 0.02, "token {tok} of {t}, pair {pair}, value {i}: {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+}

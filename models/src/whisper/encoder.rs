@@ -224,3 +224,39 @@ impl Encoder {
         self.ln_post.forward(&x)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Values in [-1, 1) that look random enough to catch an index off by one.
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
+    }
+
+    /// Channel counts that cross a 32-column block and lengths odd and even, at both strides.
+    #[test]
+    fn bf16_convolutions_match_candles_f32_ones() {
+        if !bf16_gemm::available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let (b, c_in, c_out) = (2usize, 6usize, 40usize);
+        for (stride, len) in [(1usize, 9usize), (1, 10), (2, 10), (2, 4)] {
+            let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
+            let weight = Tensor::from_vec(values(c_out * c_in * 3, 1), (c_out, c_in, 3), &Device::Cpu).unwrap();
+            let bias = Tensor::from_vec(values(c_out, 2), c_out, &Device::Cpu).unwrap();
+            let conv = Conv1d::new(weight, Some(bias), cfg);
+            let x = Tensor::from_vec(values(b * c_in * len, 3), (b, c_in, len), &Device::Cpu).unwrap();
+            let want = conv.forward(&x).unwrap().transpose(1, 2).unwrap().to_vec3::<f32>().unwrap();
+            let bf16 = Bf16Conv::new(&conv).unwrap().expect("an even channel count");
+            let got = bf16.forward(&x.transpose(1, 2).unwrap()).unwrap().to_vec3::<f32>().unwrap();
+            assert_eq!((got.len(), got[0].len(), got[0][0].len()), (b, (len - 1) / stride + 1, c_out));
+            for (w, g) in want.iter().flatten().flatten().zip(got.iter().flatten().flatten()) {
+                // 18 products of values within 1, each operand rounded to 8 significant bits.
+                assert!((w - g).abs() < 0.05, "stride {stride}, length {len}: {g} vs {w}");
+            }
+        }
+    }
+}
