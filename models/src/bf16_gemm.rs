@@ -325,6 +325,13 @@ mod kernel {
     }
 }
 
+/// Values in [-1, 1) that look random enough to catch an index off by one, for the tests of
+/// the BF16 paths against F32.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

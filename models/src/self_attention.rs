@@ -158,11 +158,8 @@ impl CustomOp3 for SelfAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bf16_gemm::test_values as values;
     use candle_core::Device;
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
-    }
 
     /// Windows of different lengths, two heads: the BF16 products give the F32 result within
     /// their rounding, and the padding's rows stay zero.

@@ -141,11 +141,8 @@ pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bf16_gemm::test_values as values;
     use std::sync::Arc;
-
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
-    }
 
     /// Against the F32 kernel over the transposed keys: two rows of different lengths (the
     /// shorter masked there, packed short here), two heads, one and two query tokens.

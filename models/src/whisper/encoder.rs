@@ -228,12 +228,8 @@ impl Encoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bf16_gemm::test_values as values;
     use candle_core::Device;
-
-    /// Values in [-1, 1) that look random enough to catch an index off by one.
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
-    }
 
     /// Channel counts that cross a 32-column block and lengths odd and even, at both strides.
     #[test]
