@@ -442,7 +442,7 @@ mod tests {
         let mut pos = 0;
         for step in 0..3 {
             let input = &tokens[pos..];
-            let mut run = |model: &mut ModelWeights| -> Vec<f32> {
+            let run = |model: &mut ModelWeights| -> Vec<f32> {
                 let x = Tensor::new(input, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
                 model.forward(&x, pos).unwrap().squeeze(0).unwrap().to_vec1::<f32>().unwrap()
             };
