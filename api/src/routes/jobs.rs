@@ -6,6 +6,7 @@ use crate::openapi;
 use crate::state::AppState;
 use crate::submission::{self, Submission};
 use axum::body::Bytes;
+use futures::{StreamExt, TryStreamExt};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -18,6 +19,9 @@ use tern_jobs::queue::Enqueue;
 use tern_jobs::store::{CancelOutcome, ListFilter};
 use tern_jobs::{Job, JobKind, JobState, NewJob};
 use uuid::Uuid;
+
+/// Jobs of one batch submit whose files are stored at the same time.
+const STORE_CONCURRENCY: usize = 16;
 
 /// Most jobs in one `POST /v1/jobs/batch`.
 pub const BATCH_MAX: usize = 1000;
@@ -264,9 +268,14 @@ pub async fn submit_batch(
     for job in &fresh {
         submission::check_urls(job, state.allow_private_urls).await?;
     }
-    for job in &mut fresh {
-        submission::store_inline_files(job, &state.objects, state.limits.max_audio_seconds).await?;
+    // Each job's files are probed and stored in S3 in turn, so the jobs go side by side. In
+    // order, so the error is the first failing job's whatever finishes first. (The futures
+    // are made in a loop: a closure over `iter_mut` here is not `Send` for axum.)
+    let mut stores = Vec::with_capacity(fresh.len());
+    for job in fresh.iter_mut() {
+        stores.push(submission::store_inline_files(job, &state.objects, state.limits.max_audio_seconds));
     }
+    futures::stream::iter(stores).buffered(STORE_CONCURRENCY).try_collect::<Vec<()>>().await?;
     let mut inserted: HashMap<Uuid, Job> =
         insert_and_enqueue(&state, &fresh).await?.into_iter().map(|j| (j.id, j)).collect();
     let mut fresh_iter = fresh.iter();
