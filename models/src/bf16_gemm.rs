@@ -119,6 +119,28 @@ pub(crate) unsafe fn products(a: &[u32], rows: usize, b: &PackedB, c0: usize, c1
     }
 }
 
+/// Softmax attention of `t` queries (rows of BF16 pairs, `keys.pairs()` each) over packed
+/// `keys` (`head_dim x n`) and `values` (`n x head_dim`): scores and softmax in F32 (in
+/// `scores`), the weights rounded to BF16 (in `weights`) for the second product, as flash
+/// attention does on GPUs. Output rows are `ldc` apart from `out`. On the calling thread.
+///
+/// # Safety
+/// As [`products`]: [`available`], and `out` has `t` rows, `ldc` apart, of `values.cols()`
+/// writable values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn attention(queries: &[u32], t: usize, keys: &PackedB, values: &PackedB, scores: &mut Vec<f32>, weights: &mut Vec<u32>, out: *mut f32, ldc: usize) {
+    let n = keys.cols();
+    scores.resize(t * n, 0.0);
+    products(queries, t, keys, 0, n, None, scores.as_mut_ptr(), n);
+    let n_pairs = n.div_ceil(2);
+    weights.resize(t * n_pairs, 0);
+    for (s, w) in scores.chunks_exact_mut(n).zip(weights.chunks_exact_mut(n_pairs)) {
+        crate::cpu_kernels::softmax_in_place(s);
+        row_to_bf16(s, w);
+    }
+    products(weights, t, values, 0, values.cols(), None, out, ldc);
+}
+
 /// A linear layer `x Wᵀ + b` with `W` held as BF16 (packed as `B = Wᵀ`).
 pub(crate) struct Bf16Linear {
     weights: PackedB,

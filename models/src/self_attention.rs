@@ -48,9 +48,8 @@ struct Bf16Scratch {
     weights: Vec<u32>,
 }
 
-/// One head of one window with BF16 products: `n` positions, rows `d` apart from `base` in
-/// `q`, `k`, `v` and `out`, `hd` values each. Scores and softmax stay in F32; the softmax
-/// weights are rounded to BF16 for the second product, as flash attention does on GPUs.
+/// One head of one window with BF16 products ([`bf16_gemm::attention`]): `n` positions, rows
+/// `d` apart from `base` in `q`, `k`, `v` and `out`, `hd` values each.
 ///
 /// # Safety
 /// [`bf16_gemm::available`]; `out` holds this head's `n` rows (`d` apart, from `base`) and no
@@ -65,17 +64,7 @@ unsafe fn bf16_head(scratch: &mut Bf16Scratch, q: &[f32], k: &[f32], v: &[f32], 
     }
     keys.refill(hd, n, |i, j| k[base + j * d + i]);
     values.refill(n, hd, |p, j| v[base + p * d + j]);
-    scores.resize(n * n, 0.0);
-    // scores (n x n) = q_head (n x hd) . k_headᵀ (hd x n)
-    bf16_gemm::products(queries, n, keys, 0, n, None, scores.as_mut_ptr(), n);
-    let n_pairs = n.div_ceil(2);
-    weights.resize(n * n_pairs, 0);
-    for (s, w) in scores.chunks_exact_mut(n).zip(weights.chunks_exact_mut(n_pairs)) {
-        cpu_kernels::softmax_in_place(s);
-        bf16_gemm::row_to_bf16(s, w);
-    }
-    // out_head (n x hd) = weights (n x n) . v_head (n x hd)
-    bf16_gemm::products(weights, n, values, 0, hd, None, out.add(base), d);
+    bf16_gemm::attention(queries, n, keys, values, scores, weights, out.add(base), d);
 }
 
 impl CustomOp3 for SelfAttention {

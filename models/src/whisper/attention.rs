@@ -101,8 +101,7 @@ impl PackedHead {
 }
 
 /// Softmax attention of `q` `(batch, heads, tokens, head_dim)` (already scaled, F32 on the
-/// CPU) over `heads[b * heads + h]`, each (row, head) with BF16 products and F32 scores and
-/// softmax. Returns `(batch, heads, tokens, head_dim)`. Only where [`bf16_gemm::available`] (the
+/// CPU) over `heads[b * heads + h]`, each (row, head) by [`bf16_gemm::attention`]. Returns `(batch, heads, tokens, head_dim)`. Only where [`bf16_gemm::available`] (the
 /// packed heads exist only there).
 pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> Result<Tensor> {
     let (batch, h, t, hd) = q.dims4()?;
@@ -116,23 +115,13 @@ pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> R
         || (Vec::new(), Vec::new(), Vec::new()),
         |(queries, scores, weights), (pair, o)| {
             let head = &heads[pair];
-            let n = head.keys.cols();
             queries.resize(t * hd_pairs, 0);
             for (x, dst) in qd[pair * t * hd..(pair + 1) * t * hd].chunks_exact(hd).zip(queries.chunks_exact_mut(hd_pairs)) {
                 bf16_gemm::row_to_bf16(x, dst);
             }
-            scores.resize(t * n, 0.0);
-            // SAFETY: packed heads exist only where the CPU has the features; `scores` holds
-            // `t` rows of `n` values and `o` `t` rows of `hd`.
-            unsafe { bf16_gemm::products(queries, t, &head.keys, 0, n, None, scores.as_mut_ptr(), n) };
-            let n_pairs = n.div_ceil(2);
-            weights.resize(t * n_pairs, 0);
-            for (s, w) in scores.chunks_exact_mut(n).zip(weights.chunks_exact_mut(n_pairs)) {
-                cpu_kernels::softmax_in_place(s);
-                bf16_gemm::row_to_bf16(s, w);
-            }
-            // SAFETY: as above.
-            unsafe { bf16_gemm::products(weights, t, &head.values, 0, hd, None, o.as_mut_ptr(), hd) };
+            // SAFETY: packed heads exist only where the CPU has the features; `o` holds `t`
+            // rows of `hd` values.
+            unsafe { bf16_gemm::attention(queries, t, &head.keys, &head.values, scores, weights, o.as_mut_ptr(), hd) };
         },
     );
     Tensor::from_vec(out, (batch, h, t, hd), q.device())

@@ -16,12 +16,8 @@ use std::sync::Arc;
 
 use super::attention::{self, KeyLayout, PackedHead};
 use super::LAYER_NORM_EPS;
-use crate::bf16_gemm::{self, PackedB};
-use crate::cpu_ops::OutPtr;
+use crate::bf16_gemm::Bf16Linear;
 use crate::linear::{linear, linear_no_bias, Linear};
-
-/// Vocabulary columns per parallel task of the BF16 logits.
-const LOGITS_TASK_COLS: usize = 1024;
 
 struct Attention {
     q: Linear,
@@ -160,9 +156,9 @@ pub(crate) struct Decoder {
     head_dim: usize,
     /// `head_dim^-0.25`, applied to both queries and keys.
     scale: f64,
-    /// The token embeddings packed for BF16 logits (`d_model x vocab`), where the decoder takes
-    /// BF16 products.
-    logits_bf16: Option<PackedB>,
+    /// The token embeddings packed as the BF16 output projection, where the decoder takes BF16
+    /// products.
+    logits_bf16: Option<Bf16Linear>,
 }
 
 impl Decoder {
@@ -178,12 +174,8 @@ impl Decoder {
         let n_state = cfg.d_model;
         let n_head = cfg.decoder_attention_heads;
         let embed_tokens = vb.get((cfg.vocab_size, n_state), "embed_tokens.weight")?;
-        let logits_bf16 = if bf16_products && bf16_gemm::available() {
-            let e = embed_tokens.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            Some(PackedB::new(n_state, cfg.vocab_size, |i, j| e[j * n_state + i]))
-        } else {
-            None
-        };
+        // `None` where the CPU lacks AVX-512 BF16.
+        let logits_bf16 = if bf16_products { Bf16Linear::pack(&embed_tokens, None)? } else { None };
         let embed_tokens = if embeddings_in_f16 { embed_tokens.to_dtype(DType::F16)? } else { embed_tokens };
         let product = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { Ok(l) };
         let embed_positions = vb.get(
@@ -230,7 +222,7 @@ impl Decoder {
 
     /// Bytes of the BF16 logits' packed token embeddings, if any.
     pub fn logits_bf16_bytes(&self) -> usize {
-        self.logits_bf16.as_ref().map_or(0, |p| p.cols() * p.pairs() * 4)
+        self.logits_bf16.as_ref().map_or(0, |p| p.weight_count() * 2)
     }
 
     /// Device the weights live on.
@@ -424,25 +416,8 @@ impl Decoder {
 
     /// Logits rows as CPU vectors.
     pub fn logits_vecs(&self, hidden: &Tensor, pos: usize) -> Result<Vec<Vec<f32>>> {
-        if let Some(packed) = &self.logits_bf16 {
-            let (_, _, d) = hidden.dims3()?;
-            let h = hidden.i((.., pos, ..))?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-            let rows = h.len() / d;
-            let pairs = packed.pairs();
-            let mut a = vec![0u32; rows * pairs];
-            for (x, dst) in h.chunks_exact(d).zip(a.chunks_exact_mut(pairs)) {
-                bf16_gemm::row_to_bf16(x, dst);
-            }
-            let vocab = packed.cols();
-            let mut out = vec![0f32; rows * vocab];
-            let out_at = OutPtr(out.as_mut_ptr());
-            (0..vocab.div_ceil(LOGITS_TASK_COLS)).into_par_iter().for_each(|t| {
-                let (c0, c1) = (t * LOGITS_TASK_COLS, ((t + 1) * LOGITS_TASK_COLS).min(vocab));
-                // SAFETY: `logits_bf16` exists only where the CPU has the features; columns
-                // c0..c1 of every row belong to this task alone.
-                unsafe { bf16_gemm::products(&a, rows, packed, c0, c1, None, out_at.at(0), vocab) };
-            });
-            return Ok(out.chunks_exact(vocab).map(<[f32]>::to_vec).collect());
+        if let Some(logits) = &self.logits_bf16 {
+            return logits.forward(&hidden.i((.., pos, ..))?, false)?.to_vec2();
         }
         if self.embed_tokens.dtype() == DType::F16 && hidden.dtype() == DType::F32 && hidden.device().is_cpu() {
             let (_, _, d) = hidden.dims3()?;

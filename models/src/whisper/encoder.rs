@@ -153,10 +153,8 @@ impl Encoder {
             .collect::<Result<Vec<_>>>()?;
         let conv1 = conv1d(cfg.num_mel_bins, d, 1, vb.pp("conv1"))?;
         let conv2 = conv1d(d, d, 2, vb.pp("conv2"))?;
-        let bf16_convs = match (bf16_products, blocks.first().is_some_and(|b: &Block| b.q.bytes_saved() > 0)) {
-            (true, true) => Bf16Conv::new(&conv1)?.zip(Bf16Conv::new(&conv2)?),
-            _ => None,
-        };
+        // `None` where the CPU lacks AVX-512 BF16, as the blocks then stay F32 too.
+        let bf16_convs = if bf16_products { Bf16Conv::new(&conv1)?.zip(Bf16Conv::new(&conv2)?) } else { None };
         Ok(Encoder {
             conv1,
             conv2,
