@@ -201,7 +201,12 @@ fn trimmed_windows_of_different_lengths_batched_give_each_clip_its_own_transcrip
     let opts = TranscribeOptions::default();
     assert!(matches!(opts.padding, Padding::Trimmed { .. }));
     let inputs: Vec<(&[f32], &TranscribeOptions)> = pcms.iter().map(|p| (p.as_slice(), &opts)).collect();
-    let batched = whisper.transcribe_many(&inputs, 8, &|_| false, &mut |_, _, _| {});
+    let batched = whisper.transcribe_many(&inputs, 3, &|_| false, &mut |_, _, _| {});
+    // With more clips than rows, clips that wait take the rows of those that finish while the
+    // rest decode, where the CPU has BF16 products.
+    let stats = whisper.last_decode_stats();
+    assert!(stats.seated >= pcms.len(), "{stats:?}");
+    assert_eq!(stats.joined_running > 0, tern_models::precision::Precision::cpu_has_bf16_products(), "{stats:?}");
     let (mut errors, mut total_words) = (0, 0);
     for ((pcm, batched), (_, reference)) in pcms.iter().zip(batched).zip(&refs) {
         let batched = batched.unwrap();
@@ -213,6 +218,35 @@ fn trimmed_windows_of_different_lengths_batched_give_each_clip_its_own_transcrip
         total_words += words(reference).len();
     }
     assert!((errors as f64) / (total_words as f64) <= 0.10, "{errors}/{total_words} word errors");
+}
+
+/// The other ways the decoder runs a batch (the default one is tested above) give a clip the
+/// transcript it gets alone: F32 products (one cache per row; rows join only an empty batch)
+/// and F16 (one tensor cache for the batch, as on a GPU).
+#[test]
+fn batched_clips_transcribe_as_alone_in_every_decoding_mode() {
+    use tern_models::precision::Precision;
+    let Some(dir) = models_dir() else { return };
+    let refs = references(&dir);
+    let pcms: Vec<Vec<f32>> = refs.iter().map(|(id, _)| clip_pcm(&dir, id)).collect();
+    let opts = TranscribeOptions::default();
+    for (precision, clips, capacity) in [(Precision::F32, 5, 3), (Precision::F16, 3, 2)] {
+        let mut whisper = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, precision).unwrap();
+        let inputs: Vec<(&[f32], &TranscribeOptions)> = pcms[..clips].iter().map(|p| (p.as_slice(), &opts)).collect();
+        let mut progress = vec![0; clips];
+        let batched = whisper.transcribe_many(&inputs, capacity, &|_| false, &mut |i, done, total| {
+            assert_eq!((done, total), (1, 1));
+            progress[i] += 1;
+        });
+        let stats = whisper.last_decode_stats();
+        assert_eq!(progress, vec![1; clips], "{precision:?}: one progress call per clip");
+        assert!(stats.seated >= clips, "{precision:?}: {stats:?}");
+        assert_eq!(stats.joined_running, 0, "{precision:?}: {stats:?}");
+        for (pcm, batched) in pcms.iter().zip(batched) {
+            let alone = whisper.transcribe(pcm, &opts, &mut |_, _| {}).unwrap();
+            assert_eq!(batched.unwrap().text, alone.text, "{precision:?}");
+        }
+    }
 }
 
 #[test]

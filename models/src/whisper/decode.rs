@@ -5,7 +5,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::decoder::{CrossKv, Decoder};
+use super::decoder::{CrossKv, Decoder, SelfKv};
 use crate::cpu_kernels::log_sum_exp;
 
 /// Special token ids and suppression lists, resolved once at load time.
@@ -158,114 +158,6 @@ fn pick(logits: &[f32], temperature: f64, rng: &mut Rng) -> u32 {
     pick(logits, 0.0, rng)
 }
 
-/// Decodes a batch of windows (one row of `cross` each, all with the same prompt) at one
-/// temperature, feeding only the new token per row at each step after the prompt
-/// (self-attention cache). Each row stops at its own EOT. Finished rows are fed EOT (their
-/// outputs ignored) until they are a quarter of the batch, then leave it with their caches:
-/// the short clips of a batch end many steps before its longest, and every step costs in
-/// proportion to its rows.
-fn decode_batch(
-    decoder: &Decoder,
-    cross: &CrossKv,
-    prompt: &[u32],
-    sp: &Specials,
-    timestamps: bool,
-    temperature: f64,
-    rngs: &mut [Rng],
-) -> Result<Vec<Decoded>> {
-    let device = decoder.device().clone();
-    let max_ctx = decoder.max_positions();
-    let batch = rngs.len();
-    let mut cache = decoder.new_cache();
-    let mut tokens: Vec<Vec<u32>> = vec![prompt.to_vec(); batch];
-    let mut done = vec![false; batch];
-    let mut sum_logprob = vec![0f64; batch];
-    let mut no_speech_prob = vec![0f64; batch];
-    // The original row of each row of the running batch, ascending, and the cross-attention
-    // keys/values of those rows once some have left.
-    let mut active: Vec<usize> = (0..batch).collect();
-    let mut active_cross: Option<CrossKv> = None;
-    for i in 0..SAMPLE_LEN {
-        if prompt.len() + i >= max_ctx || done.iter().all(|&d| d) {
-            break;
-        }
-        let finished = active.iter().filter(|&&b| done[b]).count();
-        if finished > 0 && finished * 4 >= active.len() {
-            let keep: Vec<usize> = (0..active.len()).filter(|&j| !done[active[j]]).collect();
-            cache = cache.select(&keep)?;
-            active_cross = Some(active_cross.as_ref().unwrap_or(cross).select(&keep)?);
-            active = keep.iter().map(|&j| active[j]).collect();
-        }
-        let step_cross = active_cross.as_ref().unwrap_or(cross);
-        let pos = cache.len();
-        let new: Vec<u32> = active
-            .iter()
-            .flat_map(|&b| tokens[b][pos..].iter().copied())
-            .collect();
-        let new_len = new.len() / active.len();
-        let input = Tensor::from_vec(new, (active.len(), new_len), &device)?;
-        let ys = decoder.forward(&input, step_cross, &mut cache)?;
-        if i == 0 {
-            if let Some(ns) = sp.no_speech {
-                // OpenAI reads the no-speech probability at the SOT position.
-                let sot_pos = prompt.iter().position(|&t| t == sp.sot).unwrap_or(0);
-                for (j, l) in decoder.logits_vecs(&ys, sot_pos)?.iter().enumerate() {
-                    no_speech_prob[active[j]] = f64::from(l[ns as usize] - log_sum_exp(l)).exp();
-                }
-            }
-        }
-        let rows = decoder.logits_vecs(&ys, new_len - 1)?;
-        let mut in_batch = vec![false; batch];
-        active.iter().for_each(|&b| in_batch[b] = true);
-        let step_rngs: Vec<&mut Rng> =
-            rngs.iter_mut().enumerate().filter(|(b, _)| in_batch[*b]).map(|(_, r)| r).collect();
-        // The rules and picks of the rows are independent: a few passes over 51k logits each.
-        let picks: Vec<Option<(u32, f64)>> = rows
-            .into_par_iter()
-            .zip(step_rngs)
-            .zip(active.par_iter())
-            .map(|((mut logits, rng), &b)| {
-                if done[b] {
-                    return None;
-                }
-                apply_rules(&mut logits, &tokens[b][prompt.len()..], sp, timestamps);
-                let next = pick(&logits, temperature, rng);
-                Some((next, f64::from(logits[next as usize] - log_sum_exp(&logits))))
-            })
-            .collect();
-        for (&b, picked) in active.iter().zip(picks) {
-            let Some((next, lp)) = picked else {
-                // Keeps this row's cache length in step with the others.
-                tokens[b].push(sp.eot);
-                continue;
-            };
-            if next == sp.eot {
-                done[b] = true;
-                tokens[b].push(sp.eot);
-                continue;
-            }
-            sum_logprob[b] += lp;
-            tokens[b].push(next);
-        }
-    }
-    Ok(tokens
-        .into_iter()
-        .enumerate()
-        .map(|(b, t)| {
-            let sampled: Vec<u32> = t[prompt.len()..]
-                .iter()
-                .copied()
-                .take_while(|&x| x != sp.eot)
-                .collect();
-            Decoded {
-                avg_logprob: sum_logprob[b] / (sampled.len().max(1)) as f64,
-                tokens: sampled,
-                no_speech_prob: no_speech_prob[b],
-            }
-        })
-        .collect())
-}
-
 /// Crude stand-in for OpenAI's gzip compression ratio, to catch repetition loops without a
 /// compression dependency: tokens / distinct token 3-grams. A looping output scores high; normal
 /// speech stays near 1.
@@ -284,50 +176,308 @@ fn needs_fallback(d: &Decoded) -> bool {
     degenerate && d.no_speech_prob <= NO_SPEECH_THRESHOLD
 }
 
-/// Decodes a batch of windows (rows of `cross`; `seeds` one per row): greedily all together,
-/// then, one window at a time, retries at higher temperatures those whose greedy result looks
-/// degenerate (average log-probability below -1 or a repetition loop), as OpenAI's
-/// `transcribe()` does. A row marked in `give_up` gets `None` instead of a fallback.
-pub(crate) fn decode_with_fallback(
-    decoder: &Decoder,
-    cross: &CrossKv,
-    prompt: &[u32],
-    sp: &Specials,
-    timestamps: bool,
-    seeds: &[u64],
-    give_up: &[bool],
-) -> Result<Vec<Option<Decoded>>> {
-    let mut rngs: Vec<Rng> = seeds.iter().map(|&s| Rng(s | 1)).collect();
-    let greedy = decode_batch(decoder, cross, prompt, sp, timestamps, 0.0, &mut rngs)?;
-    let mut out = Vec::with_capacity(greedy.len());
-    for (b, d) in greedy.into_iter().enumerate() {
-        if !needs_fallback(&d) {
-            out.push(Some(d));
-            continue;
-        }
-        if give_up.get(b).copied().unwrap_or(false) {
-            out.push(None);
-            continue;
-        }
-        let row = cross.row(b)?;
-        let rng = &mut rngs[b..b + 1];
-        let mut best = d;
-        let mut accepted = None;
-        for &t in TEMPERATURES[1..].iter() {
-            let d = decode_batch(decoder, &row, prompt, sp, timestamps, t, rng)?
-                .pop()
-                .expect("one row");
-            if !needs_fallback(&d) {
-                accepted = Some(d);
-                break;
-            }
-            if d.avg_logprob > best.avg_logprob {
-                best = d;
-            }
-        }
-        out.push(Some(accepted.unwrap_or(best)));
+/// A window to decode: its cross-attention keys/values (one row), prompt and options.
+#[derive(Clone)]
+pub(crate) struct Window {
+    /// The caller's name for the window, handed back with its result.
+    pub tag: usize,
+    pub cross: CrossKv,
+    pub prompt: Vec<u32>,
+    pub timestamps: bool,
+    /// Seeds the sampling of the temperature fallback.
+    pub seed: u64,
+    /// Give up (result `None`) instead of the temperature fallback when greedy decoding looks
+    /// degenerate: the caller has a better retry (the full 30 s of a trimmed window).
+    pub give_up: bool,
+}
+
+/// A window in the running batch, at one temperature.
+struct Row {
+    window: Window,
+    /// Index into [`TEMPERATURES`].
+    temperature: usize,
+    rng: Rng,
+    /// The prompt, then the tokens sampled so far.
+    tokens: Vec<u32>,
+    /// Tokens fed through the decoder so far.
+    fed: usize,
+    sum_logprob: f64,
+    no_speech_prob: f64,
+    /// The best degenerate result of the lower temperatures.
+    best: Option<Decoded>,
+    /// Sampled EOT or its last token; it stays in a batch whose rows cannot join until it
+    /// compacts.
+    finished: bool,
+    /// Its result was handed out.
+    reported: bool,
+}
+
+impl Row {
+    fn new(window: Window, temperature: usize, rng: Rng, best: Option<Decoded>) -> Row {
+        let tokens = window.prompt.clone();
+        Row { window, temperature, rng, tokens, fed: 0, sum_logprob: 0.0, no_speech_prob: 0.0, best, finished: false, reported: false }
     }
-    Ok(out)
+
+    fn sampled(&self) -> &[u32] {
+        &self.tokens[self.window.prompt.len()..]
+    }
+
+    fn decoded(&self) -> Decoded {
+        let tokens = self.sampled().to_vec();
+        Decoded { avg_logprob: self.sum_logprob / tokens.len().max(1) as f64, tokens, no_speech_prob: self.no_speech_prob }
+    }
+}
+
+/// Greedy decoding of many windows at once, one token per row per step (self-attention
+/// cache), with OpenAI's temperature fallback. Each row stops at its own EOT and, where the
+/// decoder keeps one cache per row and packed cross-attention (F32 on CPUs with AVX-512 BF16),
+/// leaves the batch at once, and a window waiting takes its place at the next step: the short
+/// clips of a batch end many steps before its longest, and every step costs in proportion to
+/// its rows. Elsewhere rows join only an empty batch, and finished rows are fed EOT (outputs
+/// ignored) until they are a quarter of it, then leave together.
+///
+/// A row's result does not depend on the rows decoding beside it: each row feeds its own
+/// prompt, keeps its own seed, and (with one cache per row) attends over its own positions.
+pub(crate) struct WindowBatch<'a> {
+    decoder: &'a Decoder,
+    sp: &'a Specials,
+    capacity: usize,
+    rows: Vec<Row>,
+    kv: SelfKv,
+    /// The rows' cross-attention keys/values, in row order; `None` while it must be rebuilt.
+    cross: Option<CrossKv>,
+    /// Windows waiting for a row: new ones and fallbacks at the next temperature.
+    waiting: std::collections::VecDeque<Row>,
+    stats: DecodeStats,
+}
+
+/// What a [`WindowBatch`] did: for logs, and to tell that rows joined running batches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Decoding steps taken (each one token for every row).
+    pub steps: usize,
+    /// Windows seated, fallback reruns included.
+    pub seated: usize,
+    /// Of those, windows that joined while other rows were decoding.
+    pub joined_running: usize,
+}
+
+impl<'a> WindowBatch<'a> {
+    /// An empty batch of at most `capacity` rows (at least 1).
+    pub fn new(decoder: &'a Decoder, sp: &'a Specials, capacity: usize) -> Self {
+        WindowBatch { decoder, sp, capacity: capacity.max(1), rows: Vec::new(), kv: decoder.new_self_kv(), cross: None, waiting: Default::default(), stats: DecodeStats::default() }
+    }
+
+    /// Whether windows join while others decode: one cache per row, and cross-attention keys
+    /// that join without copies.
+    fn rows_join(&self) -> bool {
+        self.kv.rows_join() && self.decoder.packs_cross()
+    }
+
+    /// How many more windows [`Self::add`] may take now: free rows not claimed by waiting
+    /// windows, or 0 while a batch whose rows cannot join is running.
+    pub fn room(&self) -> usize {
+        if !self.rows.is_empty() && !self.rows_join() {
+            return 0;
+        }
+        self.capacity.saturating_sub(self.rows.len() + self.waiting.len())
+    }
+
+    /// What the batch did so far.
+    pub fn stats(&self) -> DecodeStats {
+        self.stats
+    }
+
+    /// Rows decoding now.
+    pub fn running(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Whether no window is decoding or waiting.
+    pub fn is_idle(&self) -> bool {
+        self.rows.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Queues a window; it starts decoding at the next step with room.
+    pub fn add(&mut self, window: Window) {
+        let rng = Rng(window.seed | 1);
+        self.waiting.push_back(Row::new(window, 0, rng, None));
+    }
+
+    /// Takes every window out, decoding or waiting; the tags of those not reported yet. For a
+    /// failed step.
+    pub fn drain(&mut self) -> Vec<usize> {
+        self.cross = None;
+        self.kv = self.decoder.new_self_kv();
+        self.rows.drain(..).chain(self.waiting.drain(..)).filter(|r| !r.reported).map(|r| r.window.tag).collect()
+    }
+
+    /// Seats waiting windows in free rows.
+    fn seat(&mut self) -> Result<()> {
+        let joins = self.rows_join();
+        if self.waiting.is_empty() || (!self.rows.is_empty() && !joins) {
+            return Ok(());
+        }
+        let free = self.capacity.saturating_sub(self.rows.len()).min(self.waiting.len());
+        let mut seated: Vec<Row> = self.waiting.drain(..free).collect();
+        if seated.is_empty() {
+            return Ok(());
+        }
+        if self.rows.is_empty() {
+            self.kv = self.decoder.new_self_kv();
+            self.cross = None;
+        }
+        if self.kv.rows_join() {
+            // Prompts of several tokens (multilingual models) go through in one pass but for
+            // their last token, which the next step feeds and samples after.
+            seated.sort_by_key(|r| r.window.prompt.len());
+            for same in seated.chunk_by_mut(|a, b| a.window.prompt.len() == b.window.prompt.len()) {
+                let len = same[0].window.prompt.len();
+                let room = len + SAMPLE_LEN;
+                if len < 2 {
+                    same.iter().for_each(|_| self.decoder.push_row(&mut self.kv, room));
+                    continue;
+                }
+                let fed = len - 1;
+                let tokens: Vec<u32> = same.iter().flat_map(|r| r.window.prompt[..fed].iter().copied()).collect();
+                let tokens = Tensor::from_vec(tokens, (same.len(), fed), self.decoder.device())?;
+                let cross = CrossKv::join(&same.iter().map(|r| &r.window.cross).collect::<Vec<_>>())?;
+                let hidden = self.decoder.prefill_rows(&tokens, &cross, &mut self.kv, room)?;
+                let sot = same[0].window.prompt.iter().position(|&t| t == self.sp.sot);
+                if let (Some(ns), Some(sot)) = (self.sp.no_speech, sot.filter(|&p| p < fed)) {
+                    // OpenAI reads the no-speech probability at the SOT position.
+                    for (r, l) in same.iter_mut().zip(self.decoder.logits_vecs(&hidden, sot)?) {
+                        r.no_speech_prob = f64::from(l[ns as usize] - log_sum_exp(&l)).exp();
+                    }
+                }
+                same.iter_mut().for_each(|r| r.fed = fed);
+            }
+        } else {
+            for row in &seated {
+                self.decoder.push_row(&mut self.kv, row.window.prompt.len() + SAMPLE_LEN);
+            }
+        }
+        let mut parts: Vec<&CrossKv> = Vec::with_capacity(2);
+        if let Some(c) = &self.cross {
+            parts.push(c);
+        }
+        parts.extend(seated.iter().map(|r| &r.window.cross));
+        let cross = CrossKv::join(&parts)?;
+        self.cross = Some(cross);
+        self.stats.seated += seated.len();
+        if !self.rows.is_empty() {
+            self.stats.joined_running += seated.len();
+        }
+        self.rows.extend(seated);
+        Ok(())
+    }
+
+    /// Drops finished rows from the batch: at once where rows join, else once they are a
+    /// quarter of it.
+    fn compact(&mut self) -> Result<()> {
+        let finished = self.rows.iter().filter(|r| r.finished).count();
+        if finished == 0 || (!self.rows_join() && finished * 4 < self.rows.len() && finished < self.rows.len()) {
+            return Ok(());
+        }
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|&j| !self.rows[j].finished).collect();
+        if keep.is_empty() {
+            self.rows.clear();
+            self.cross = None;
+            self.kv = self.decoder.new_self_kv();
+            return Ok(());
+        }
+        self.kv.select(&keep)?;
+        self.cross = Some(self.cross.as_ref().expect("rows have keys").select(&keep)?);
+        let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows).into_iter().map(Some).collect();
+        self.rows = keep.iter().map(|&j| rows[j].take().expect("kept once")).collect();
+        Ok(())
+    }
+
+    /// Seats waiting windows, feeds every row its next token, and samples where the prompt is
+    /// fed. Returns the windows that finished: `(tag, result)`, `None` for a window that gave
+    /// up (see [`Window::give_up`]).
+    pub fn step(&mut self) -> Result<Vec<(usize, Option<Decoded>)>> {
+        self.seat()?;
+        if self.rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sp = self.sp;
+        let tokens: Vec<u32> = self.rows.iter().map(|r| r.tokens.get(r.fed).copied().unwrap_or(sp.eot)).collect();
+        let hidden = self.decoder.step(&tokens, self.cross.as_ref().expect("rows have keys"), &mut self.kv)?;
+        self.stats.steps += 1;
+        // Logits only for rows that read them: at the SOT (no-speech probability) or at the
+        // end of what they were fed (the next token).
+        let mut wanted = Vec::new();
+        for (j, r) in self.rows.iter_mut().enumerate() {
+            r.fed += 1;
+            let at_sot = sp.no_speech.is_some() && r.window.prompt.iter().position(|&t| t == sp.sot) == Some(r.fed - 1);
+            if !r.finished && (at_sot || r.fed == r.tokens.len()) {
+                wanted.push(j);
+            }
+        }
+        let logits = if wanted.is_empty() {
+            Vec::new()
+        } else {
+            let index = Tensor::from_vec(wanted.iter().map(|&j| j as u32).collect::<Vec<_>>(), wanted.len(), hidden.device())?;
+            self.decoder.logits_vecs(&hidden.index_select(&index, 0)?, 0)?
+        };
+        let max_ctx = self.decoder.max_positions();
+        let mut is_wanted = vec![false; self.rows.len()];
+        wanted.iter().for_each(|&j| is_wanted[j] = true);
+        let picked: Vec<&mut Row> = self.rows.iter_mut().zip(is_wanted).filter(|(_, w)| *w).map(|(r, _)| r).collect();
+        // The rules and picks of the rows are independent: a few passes over 51k logits each.
+        picked.into_par_iter().zip(logits).for_each(|(r, mut logits)| {
+            if let Some(ns) = sp.no_speech {
+                if r.window.prompt.iter().position(|&t| t == sp.sot) == Some(r.fed - 1) {
+                    // OpenAI reads the no-speech probability at the SOT position.
+                    r.no_speech_prob = f64::from(logits[ns as usize] - log_sum_exp(&logits)).exp();
+                }
+            }
+            if r.fed < r.tokens.len() {
+                return;
+            }
+            let prompt_len = r.window.prompt.len();
+            apply_rules(&mut logits, &r.tokens[prompt_len..], sp, r.window.timestamps);
+            let next = pick(&logits, TEMPERATURES[r.temperature], &mut r.rng);
+            if next == sp.eot {
+                r.finished = true;
+                return;
+            }
+            r.sum_logprob += f64::from(logits[next as usize] - log_sum_exp(&logits));
+            r.tokens.push(next);
+            let sampled = r.tokens.len() - prompt_len;
+            if sampled >= SAMPLE_LEN || r.tokens.len() >= max_ctx {
+                r.finished = true;
+            }
+        });
+        let mut out = Vec::new();
+        let mut rerun = Vec::new();
+        for r in self.rows.iter_mut().filter(|r| r.finished && !r.reported) {
+            r.reported = true;
+            let d = r.decoded();
+            if !needs_fallback(&d) {
+                out.push((r.window.tag, Some(d)));
+                continue;
+            }
+            if r.temperature == 0 && r.window.give_up {
+                out.push((r.window.tag, None));
+                continue;
+            }
+            let best = match r.best.take() {
+                Some(b) if b.avg_logprob >= d.avg_logprob => b,
+                _ => d,
+            };
+            if r.temperature + 1 == TEMPERATURES.len() {
+                out.push((r.window.tag, Some(best)));
+                continue;
+            }
+            // The sampler goes on from where this temperature left it, as OpenAI's does.
+            rerun.push(Row::new(r.window.clone(), r.temperature + 1, Rng(r.rng.0), Some(best)));
+        }
+        self.waiting.extend(rerun);
+        self.compact()?;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use super::attention::{self, KeyLayout, PackedHead};
 use super::LAYER_NORM_EPS;
 use crate::bf16_gemm::Bf16Linear;
+use crate::cpu_kernels;
 use crate::linear::{linear, linear_no_bias, Linear};
 
 struct Attention {
@@ -57,6 +58,7 @@ struct Layer {
 /// Rows encoded with fewer frames than the batch holds carry a mask over the padding, so each
 /// row attends to exactly what it would alone. Where the decoder takes BF16 products, each
 /// (layer, row, head) is packed instead, over the row's own frames.
+#[derive(Clone)]
 pub(crate) struct CrossKv {
     layers: Vec<(Tensor, Tensor)>,
     /// `(batch, 1, 1, frames)`: 0 for a row's own frames, -inf for its padding.
@@ -88,6 +90,66 @@ impl CrossKv {
         self.packed.iter().map(|layer| rows.iter().flat_map(|&r| layer[r * h..(r + 1) * h].iter().cloned()).collect()).collect()
     }
 
+    /// Whether rows are packed one by one ([`Decoder::cross_kv`] with BF16 products), so that
+    /// joining and selecting rows copies no keys or values.
+    pub fn is_packed(&self) -> bool {
+        !self.packed.is_empty()
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        match (self.packed.first(), self.layers.first()) {
+            (Some(layer), _) => layer.len() / self.heads.max(1),
+            (None, Some((k, _))) => k.dim(0).unwrap_or(0),
+            (None, None) => 0,
+        }
+    }
+
+    /// The rows of `parts`, in order, as one batch. Packed rows are shared, not copied; tensor
+    /// rows are cut to their own frames and zero-padded to the longest, under a mask.
+    pub fn join(parts: &[&CrossKv]) -> Result<CrossKv> {
+        let Some(first) = parts.first() else { candle_core::bail!("joining no cross-attention rows") };
+        let heads = first.heads;
+        if first.is_packed() {
+            let packed = (0..first.packed.len())
+                .map(|layer| parts.iter().flat_map(|p| p.packed[layer].iter().cloned()).collect())
+                .collect();
+            return Ok(CrossKv { layers: Vec::new(), mask: None, frames: None, packed, heads });
+        }
+        if parts.len() == 1 {
+            return first.select(&(0..first.rows()).collect::<Vec<_>>());
+        }
+        // Each row's own frames.
+        let frames: Vec<usize> = parts
+            .iter()
+            .flat_map(|p| {
+                let total = p.layers.first().map_or(0, |(_, v)| v.dim(2).unwrap_or(0));
+                (0..p.rows()).map(move |r| p.frames.as_ref().map_or(total, |f| f[r]))
+            })
+            .collect();
+        let longest = frames.iter().copied().max().unwrap_or(0);
+        let layers = (0..first.layers.len())
+            .map(|layer| {
+                let (mut ks, mut vs) = (Vec::new(), Vec::new());
+                let mut row = 0;
+                for p in parts {
+                    let (k, v) = &p.layers[layer];
+                    for r in 0..p.rows() {
+                        let n = frames[row];
+                        row += 1;
+                        ks.push(k.narrow(0, r, 1)?.narrow(3, 0, n)?.pad_with_zeros(3, 0, longest - n)?);
+                        vs.push(v.narrow(0, r, 1)?.narrow(2, 0, n)?.pad_with_zeros(2, 0, longest - n)?);
+                    }
+                }
+                Ok((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (k0, _) = &layers[0];
+        let mask = padding_mask(&frames, longest, k0.device(), k0.dtype())?;
+        let frames = mask.as_ref().map(|_| frames);
+        Ok(CrossKv { layers, mask, frames, packed: Vec::new(), heads })
+    }
+
     /// The keys/values of the given batch rows, in that order.
     pub fn select(&self, rows: &[usize]) -> Result<CrossKv> {
         if rows.len() == 1 {
@@ -113,6 +175,51 @@ impl CrossKv {
     }
 }
 
+/// `(rows, 1, 1, total)`: 0 over each row's first `frames[row]` positions, -inf after them;
+/// `None` when every row has all `total`.
+fn padding_mask(frames: &[usize], total: usize, device: &Device, dtype: DType) -> Result<Option<Tensor>> {
+    if frames.iter().all(|&f| f >= total) {
+        return Ok(None);
+    }
+    let m: Vec<f32> = frames.iter().flat_map(|&f| (0..total).map(move |j| if j < f { 0.0 } else { f32::NEG_INFINITY })).collect();
+    Ok(Some(Tensor::from_vec(m, (frames.len(), 1, 1, total), device)?.to_dtype(dtype)?))
+}
+
+/// One window's self-attention keys (scaled) and values on the CPU, per layer, `(len,
+/// d_model)` with the heads side by side: each row of a running batch keeps its own, so
+/// windows join and leave the batch at any step without copying the others'.
+pub(crate) struct RowKv {
+    layers: Vec<(Vec<f32>, Vec<f32>)>,
+    len: usize,
+}
+
+/// The self-attention caches of a batch of windows decoding one token per step.
+pub(crate) enum SelfKv {
+    /// One per row, each at its own position (F32 on the CPU): rows join at any step.
+    Rows(Vec<RowKv>),
+    /// One tensor cache for all rows, at one position: rows join only an empty batch.
+    Batch(KvCache),
+}
+
+impl SelfKv {
+    /// Whether rows may join while others are decoding.
+    pub fn rows_join(&self) -> bool {
+        matches!(self, SelfKv::Rows(_))
+    }
+
+    /// Keeps the caches of `rows`, in that order.
+    pub fn select(&mut self, rows: &[usize]) -> Result<()> {
+        match self {
+            SelfKv::Rows(all) => {
+                let mut taken: Vec<Option<RowKv>> = std::mem::take(all).into_iter().map(Some).collect();
+                *all = rows.iter().map(|&r| taken[r].take().expect("rows selected once")).collect();
+            }
+            SelfKv::Batch(cache) => *cache = cache.select(rows)?,
+        }
+        Ok(())
+    }
+}
+
 /// Self-attention keys (scaled) and values of the tokens fed so far, per layer, each
 /// `(batch, head, len, head_dim)`.
 pub(crate) struct KvCache {
@@ -135,11 +242,6 @@ impl KvCache {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache { layers, len: self.len })
-    }
-
-    /// Number of token positions already in the cache.
-    pub fn len(&self) -> usize {
-        self.len
     }
 }
 
@@ -220,6 +322,12 @@ impl Decoder {
             .sum()
     }
 
+    /// Whether [`Decoder::cross_kv`] packs each row's keys and values on its own (BF16
+    /// products), so rows join and leave a batch without copies.
+    pub fn packs_cross(&self) -> bool {
+        self.logits_bf16.is_some()
+    }
+
     /// Bytes of the BF16 logits' packed token embeddings, if any.
     pub fn logits_bf16_bytes(&self) -> usize {
         self.logits_bf16.as_ref().map_or(0, |p| p.weight_count() * 2)
@@ -248,19 +356,13 @@ impl Decoder {
     /// `frames[b]` is how many leading frames of row `b` are real (the rest is padding and is
     /// masked out); `None` when every row uses all of them.
     pub fn cross_kv(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
-        let (b, total, _) = audio_features.dims3()?;
+        let total = audio_features.dim(1)?;
         if self.logits_bf16.is_some() {
             return self.cross_kv_bf16(audio_features, frames);
         }
         let mask = match frames {
-            Some(frames) if frames.iter().any(|&f| f < total) => {
-                let m: Vec<f32> = frames
-                    .iter()
-                    .flat_map(|&f| (0..total).map(move |j| if j < f { 0.0 } else { f32::NEG_INFINITY }))
-                    .collect();
-                Some(Tensor::from_vec(m, (b, 1, 1, total), audio_features.device())?.to_dtype(audio_features.dtype())?)
-            }
-            _ => None,
+            Some(frames) => padding_mask(frames, total, audio_features.device(), audio_features.dtype())?,
+            None => None,
         };
         let frames = mask.as_ref().and(frames).map(<[usize]>::to_vec);
         let layers = self
@@ -369,7 +471,118 @@ impl Decoder {
             let o = self.merge(&o)?;
             *kv = Some((k, v));
             x = (x + a.out.forward(&o)?)?;
+            x = self.cross_and_mlp(i, layer, x, cross)?;
+        }
+        cache.len += t;
+        self.ln.forward(&x)
+    }
 
+    /// An empty self-attention cache for decoding one token per step: one per row on the CPU
+    /// in F32 ([`SelfKv::Rows`]), else one tensor for the batch.
+    pub fn new_self_kv(&self) -> SelfKv {
+        if self.device().is_cpu() && self.embed_positions.dtype() == DType::F32 {
+            SelfKv::Rows(Vec::new())
+        } else {
+            SelfKv::Batch(self.new_cache())
+        }
+    }
+
+    /// Adds an empty row to a [`SelfKv::Rows`] cache, room reserved for `tokens` tokens.
+    pub fn push_row(&self, kv: &mut SelfKv, tokens: usize) {
+        if let SelfKv::Rows(all) = kv {
+            let room = tokens * self.n_head * self.head_dim;
+            all.push(RowKv { layers: (0..self.layers.len()).map(|_| (Vec::with_capacity(room), Vec::with_capacity(room))).collect(), len: 0 });
+        }
+    }
+
+    /// Feeds `tokens` `(rows, len)` at once through the decoder for rows that start decoding,
+    /// with their cross-attention keys/values `cross`, and appends each row's cache to a
+    /// [`SelfKv::Rows`] cache (room for `room` tokens each). Returns the hidden states `(rows,
+    /// len, d_model)`. For prompts of several tokens: one pass instead of a step per token.
+    pub fn prefill_rows(&self, tokens: &Tensor, cross: &CrossKv, kv: &mut SelfKv, room: usize) -> Result<Tensor> {
+        let SelfKv::Rows(all) = kv else { candle_core::bail!("prefill_rows needs one cache per row") };
+        let mut cache = self.new_cache();
+        let hidden = self.forward(tokens, cross, &mut cache)?;
+        let (rows, len) = tokens.dims2()?;
+        let d = self.n_head * self.head_dim;
+        let mut new: Vec<RowKv> = (0..rows).map(|_| RowKv { layers: Vec::with_capacity(self.layers.len()), len }).collect();
+        for layer in cache.layers {
+            let Some((k, v)) = layer else { candle_core::bail!("prefill left a layer uncached") };
+            // `(rows, head, len, head_dim)` -> per row `(len, d_model)`.
+            let k = k.transpose(1, 2)?.flatten_all()?.to_vec1::<f32>()?;
+            let v = v.transpose(1, 2)?.flatten_all()?.to_vec1::<f32>()?;
+            for (r, row) in new.iter_mut().enumerate() {
+                let span = r * len * d..(r + 1) * len * d;
+                let (mut keys, mut values) = (Vec::with_capacity(room.max(len) * d), Vec::with_capacity(room.max(len) * d));
+                keys.extend_from_slice(&k[span.clone()]);
+                values.extend_from_slice(&v[span]);
+                row.layers.push((keys, values));
+            }
+        }
+        all.extend(new);
+        Ok(hidden)
+    }
+
+    /// Feeds one token per row (`tokens[row]`, at the row's own next position) through the
+    /// decoder, appending its keys/values to the row's cache. Returns the final-layer-normed
+    /// hidden states `(rows, 1, d_model)`. With [`SelfKv::Rows`], each row's self-attention
+    /// is its own loop over its own cache, so a row computes the same whatever rows come with
+    /// it and whenever it joined.
+    pub fn step(&self, tokens: &[u32], cross: &CrossKv, kv: &mut SelfKv) -> Result<Tensor> {
+        let device = self.device().clone();
+        let rows = match kv {
+            SelfKv::Batch(cache) => {
+                let input = Tensor::from_vec(tokens.to_vec(), (tokens.len(), 1), &device)?;
+                return self.forward(&input, cross, cache);
+            }
+            SelfKv::Rows(rows) => rows,
+        };
+        let b = tokens.len();
+        if rows.len() != b {
+            candle_core::bail!("decoder step: {b} tokens for {} cached rows", rows.len());
+        }
+        let d = self.n_head * self.head_dim;
+        let positions: Vec<u32> = rows.iter().map(|r| r.len as u32).collect();
+        let emb = self.embed_tokens.index_select(&Tensor::new(tokens, &device)?, 0)?.to_dtype(DType::F32)?;
+        let pos = self.embed_positions.index_select(&Tensor::new(positions.as_slice(), &device)?, 0)?;
+        let mut x = (emb + pos)?.reshape((b, 1, d))?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = layer.self_ln.forward(&x)?;
+            let a = &layer.self_attn;
+            let q = (a.q.forward(&h)? * self.scale)?.flatten_all()?.to_vec1::<f32>()?;
+            let k = (a.k.forward(&h)? * self.scale)?.flatten_all()?.to_vec1::<f32>()?;
+            let v = a.v.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            for (r, row) in rows.iter_mut().enumerate() {
+                let (keys, values) = &mut row.layers[i];
+                keys.extend_from_slice(&k[r * d..(r + 1) * d]);
+                values.extend_from_slice(&v[r * d..(r + 1) * d]);
+            }
+            let (heads, hd) = (self.n_head, self.head_dim);
+            let rows_ref: &[RowKv] = rows;
+            let mut o = vec![0f32; b * d];
+            o.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (pair, out)| {
+                let (r, head) = (pair / heads, pair % heads);
+                let row = &rows_ref[r];
+                let (keys, values) = &row.layers[i];
+                scores.resize(row.len + 1, 0.0);
+                let q = &q[r * d + head * hd..r * d + (head + 1) * hd];
+                // Queries come scaled already.
+                cpu_kernels::attend(q, &keys[head * hd..], &values[head * hd..], d, 1.0, scores, out);
+            });
+            let o = Tensor::from_vec(o, (b, 1, d), &device)?;
+            x = (x + a.out.forward(&o)?)?;
+            x = self.cross_and_mlp(i, layer, x, cross)?;
+        }
+        for row in rows.iter_mut() {
+            row.len += 1;
+        }
+        self.ln.forward(&x)
+    }
+
+    /// Layer `i`'s cross-attention over the windows' encoder output and its MLP, each with its
+    /// residual, on hidden states `x` `(batch, tokens, d_model)`.
+    fn cross_and_mlp(&self, i: usize, layer: &Layer, mut x: Tensor, cross: &CrossKv) -> Result<Tensor> {
+        {
             // Cross-attention over the window's encoder output.
             let h = layer.cross_ln.forward(&x)?;
             let a = &layer.cross_attn;
@@ -396,8 +609,7 @@ impl Decoder {
             let h = layer.fc2.forward(&layer.fc1.forward(&h)?.gelu()?)?;
             x = (x + h)?;
         }
-        cache.len += t;
-        self.ln.forward(&x)
+        Ok(x)
     }
 
     /// `(batch, head, len, head_dim)` -> `(batch, len, d_model)`, contiguous.

@@ -11,6 +11,7 @@ mod decoder;
 mod encoder;
 mod mel;
 
+use std::collections::VecDeque;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -22,6 +23,7 @@ use crate::precision::Precision;
 use tokenizers::Tokenizer;
 
 use decode::Specials;
+pub use decode::DecodeStats;
 
 /// Length of one Whisper window in seconds: every window costs a full encoder pass.
 const WINDOW_SECONDS: f64 = m::CHUNK_LENGTH as f64;
@@ -111,6 +113,8 @@ pub struct Whisper {
     filters: Vec<f32>,
     device: Device,
     weights_bytes: u64,
+    /// What the last [`Whisper::transcribe_many`] call's decoding did.
+    last_decode: DecodeStats,
 }
 
 /// How much of the silence that pads a window shorter than 30 s goes through the encoder.
@@ -291,8 +295,27 @@ struct Pending {
     total: usize,
     /// `None` until detected from the first window.
     language: Option<(Option<u32>, String)>,
-    segments: Vec<Segment>,
+    /// Each window's segments (a window and its tail finish in that order).
+    window_segments: Vec<Vec<Segment>>,
+    /// Each window's pieces not decoded yet: itself, then its tail if it has one.
+    open: Vec<usize>,
+    /// Windows done.
+    done: usize,
     error: Option<anyhow::Error>,
+}
+
+/// Audio waiting to be encoded and decoded: a window of an input, the untranscribed end of one
+/// ([`untranscribed_speech`]), or a trimmed one again over the full 30 s.
+#[derive(Debug, Clone, Copy)]
+struct Work {
+    input: usize,
+    window: usize,
+    /// Samples of the input.
+    range: (usize, usize),
+    /// Encoder positions it runs over ([`encoder_positions`]).
+    positions: usize,
+    /// The end of a window after its first pass, which gets no tail of its own.
+    tail: bool,
 }
 
 #[derive(serde::Deserialize)]
@@ -410,7 +433,14 @@ impl Whisper {
             languages,
             device: device.clone(),
             weights_bytes,
+            last_decode: DecodeStats::default(),
         })
+    }
+
+    /// What the decoding of the last [`Whisper::transcribe_many`] (or [`Whisper::transcribe`])
+    /// did: steps, windows, and windows that joined a running batch.
+    pub fn last_decode_stats(&self) -> DecodeStats {
+        self.last_decode
     }
 
     /// Bytes of weights held (in the precision loaded).
@@ -461,9 +491,9 @@ impl Whisper {
     ///
     /// Audio is cut into consecutive windows of at most 30 s, [`windows_for`] of them, each cut
     /// moved back up to 5 s into the quietest 200 ms so it falls in a pause; segment times are offset by the window start and clamped to the audio length.
-    /// `progress(done_windows, total_windows)` is called once per window, in order; `total_windows`
-    /// is [`windows_for`] of the duration. Up to 8 windows are encoded and decoded as one batch
-    /// (one read of the decoder weights per step for all of them), so calls come in bursts.
+    /// `progress(done_windows, total_windows)` is called once per window as it finishes;
+    /// `total_windows` is [`windows_for`] of the duration. Up to 8 windows decode together
+    /// (one read of the decoder weights per step for all of them).
     /// Greedy decoding, at most 224 tokens per window, with OpenAI's temperature fallback
     /// (0.2 ... 1.0) for windows that decode badly; windows judged silent (no-speech probability
     /// > 0.6 and low confidence) yield no segments.
@@ -478,13 +508,16 @@ impl Whisper {
             .expect("one result per input")
     }
 
-    /// Transcribes several recordings together: their windows, in input order, are encoded and
-    /// decoded `window_batch` at a time (at least 1), so short clips share decoder steps. Each
-    /// recording's transcript is the same as [`Whisper::transcribe`] gives for it alone: windows
-    /// keep their own sampling seeds and the rows of a batch do not interact.
-    /// `progress(input, done_windows, total_windows)` is called once per window.
-    /// `canceled(input)` is asked before each batch of windows: a canceled input's remaining
-    /// windows are skipped and its result is an error.
+    /// Transcribes several recordings together: their windows, in input order, decode
+    /// `window_batch` at a time (at least 1), so short clips share decoder steps. Where the
+    /// decoder allows it ([`decode::WindowBatch`]: F32 on CPUs with AVX-512 BF16) a window that
+    /// finishes hands its row to the next one at once (continuous batching); elsewhere the next
+    /// windows start when the whole batch is done. Each recording's transcript is the same as
+    /// [`Whisper::transcribe`] gives for it alone: windows keep their own sampling seeds and the
+    /// rows of a batch do not interact.
+    /// `progress(input, done_windows, total_windows)` is called once per window as it finishes.
+    /// `canceled(input)` is asked before each of its windows is encoded: a canceled input's
+    /// remaining windows are skipped and its result is an error.
     /// One result per input, in order; an input that fails (say, an unknown language code) does
     /// not fail the others.
     pub fn transcribe_many(
@@ -504,35 +537,89 @@ impl Whisper {
                     Ok(l) => (l, None),
                     Err(e) => (None, Some(e)),
                 };
-                Pending { windows, total, language, segments: Vec::new(), error }
+                Pending { window_segments: vec![Vec::new(); total], open: vec![1; total], done: 0, windows, total, language, error }
             })
             .collect();
-        let windows: Vec<(usize, usize)> = items
+        let mut queue: VecDeque<Work> = items
             .iter()
             .enumerate()
             .filter(|(_, it)| it.error.is_none())
-            .flat_map(|(i, it)| (0..it.total).map(move |w| (i, w)))
+            .flat_map(|(i, it)| {
+                let padding = inputs[i].1.padding;
+                it.windows.iter().enumerate().map(move |(w, &range)| Work { input: i, window: w, range, positions: encoder_positions(padding, range.1 - range.0), tail: false })
+            })
             .collect();
-        for chunk in windows.chunks(window_batch.max(1)) {
-            for &(i, _) in chunk {
-                if items[i].error.is_none() && canceled(i) {
-                    items[i].error = Some(anyhow!("canceled"));
+        let capacity = window_batch.max(1);
+        // Every window encoded, by tag.
+        let mut works: Vec<Work> = Vec::new();
+        let mut batch = decode::WindowBatch::new(&self.decoder, &self.specials, capacity);
+        loop {
+            let room = batch.room();
+            // A running batch takes more windows once a quarter of it is free: encoding a window
+            // or two at a time would waste the encoder's wide products.
+            if room > 0 && !queue.is_empty() && (batch.running() == 0 || room * 4 >= capacity) {
+                let mut taken = Vec::new();
+                while taken.len() < room {
+                    let Some(work) = queue.pop_front() else { break };
+                    let item = &mut items[work.input];
+                    if item.error.is_none() && canceled(work.input) {
+                        item.error = Some(anyhow!("canceled"));
+                    }
+                    // A failed or canceled input's remaining windows are skipped.
+                    if item.error.is_none() {
+                        taken.push(work);
+                    }
+                }
+                match self.encode(inputs, &taken, &mut items) {
+                    Ok(crosses) => {
+                        for (work, cross) in taken.into_iter().zip(crosses) {
+                            let opts = inputs[work.input].1;
+                            let tag = works.len();
+                            works.push(work);
+                            batch.add(decode::Window {
+                                tag,
+                                cross,
+                                prompt: self.prompt(opts, &items[work.input]),
+                                timestamps: opts.timestamps,
+                                // Seeds follow the window's place in its own recording, so
+                                // batching cannot change what a fallback samples.
+                                seed: work.window as u64 + 1,
+                                give_up: work.positions < FULL_POSITIONS,
+                            });
+                        }
+                    }
+                    Err(e) => {
+                        // Which row broke cannot be told apart: every input encoded together fails.
+                        let message = format!("{e:#}");
+                        for work in taken {
+                            items[work.input].error.get_or_insert_with(|| anyhow!("{message}"));
+                        }
+                    }
                 }
             }
-            // A failed or canceled input's remaining windows are skipped.
-            let chunk: Vec<(usize, usize)> =
-                chunk.iter().copied().filter(|&(i, _)| items[i].error.is_none()).collect();
-            if chunk.is_empty() {
+            if batch.is_idle() {
+                if queue.is_empty() {
+                    break;
+                }
                 continue;
             }
-            if let Err(e) = self.run_windows(inputs, &chunk, &mut items, progress) {
-                // Which row broke cannot be told apart: every input in the chunk fails.
-                let message = format!("{e:#}");
-                for &(i, _) in &chunk {
-                    items[i].error.get_or_insert_with(|| anyhow!("{message}"));
+            match batch.step() {
+                Ok(finished) => {
+                    for (tag, decoded) in finished {
+                        self.finish_work(inputs, works[tag], decoded, &mut items, &mut queue, progress);
+                    }
+                }
+                Err(e) => {
+                    let message = format!("{e:#}");
+                    for tag in batch.drain() {
+                        items[works[tag].input].error.get_or_insert_with(|| anyhow!("{message}"));
+                    }
                 }
             }
         }
+        let stats = batch.stats();
+        drop(batch);
+        self.last_decode = stats;
         inputs
             .iter()
             .zip(items)
@@ -540,15 +627,84 @@ impl Whisper {
                 if let Some(e) = it.error {
                     return Err(e);
                 }
-                let text = it.segments.iter().map(|s| s.text.as_str()).collect::<Vec<_>>().join(" ");
+                let segments: Vec<Segment> = it.window_segments.into_iter().flatten().collect();
+                let text = segments.iter().map(|s| s.text.as_str()).collect::<Vec<_>>().join(" ");
                 Ok(Transcript {
                     text,
                     language: it.language.map(|(_, c)| c).unwrap_or_else(|| "en".into()),
                     duration: pcm.len() as f64 / sr as f64,
-                    segments: it.segments,
+                    segments,
                 })
             })
             .collect()
+    }
+
+    /// The decoder prompt of an input whose language is resolved.
+    fn prompt(&self, opts: &TranscribeOptions, item: &Pending) -> Vec<u32> {
+        let mut prompt = vec![self.specials.sot];
+        if self.is_multilingual() {
+            prompt.extend(item.language.as_ref().and_then(|(token, _)| *token));
+            prompt.extend(match opts.task {
+                Task::Transcribe => self.specials.transcribe,
+                Task::Translate => self.specials.translate,
+            });
+        }
+        if !opts.timestamps {
+            prompt.push(self.specials.no_timestamps);
+        }
+        prompt
+    }
+
+    /// Takes in a decoded piece of audio: its segments go to its window, the untranscribed end
+    /// of a window's first pass goes back to the queue, and so does a trimmed window whose
+    /// greedy decode looked wrong (`None`: a loop, low confidence), over the full 30 s as
+    /// Whisper was trained, before any temperature fallback.
+    fn finish_work(
+        &self,
+        inputs: &[(&[f32], &TranscribeOptions)],
+        work: Work,
+        decoded: Option<decode::Decoded>,
+        items: &mut [Pending],
+        queue: &mut VecDeque<Work>,
+        progress: &mut dyn FnMut(usize, usize, usize),
+    ) {
+        let item = &mut items[work.input];
+        if item.error.is_some() {
+            return;
+        }
+        let Some(d) = decoded else {
+            queue.push_front(Work { positions: FULL_POSITIONS, ..work });
+            return;
+        };
+        let sr = m::SAMPLE_RATE as f64;
+        let (start, end) = work.range;
+        let mut segments = Vec::new();
+        if !d.is_silence() {
+            if let Err(e) = self.segments_of(&d.tokens, start as f64 / sr, end as f64 / sr, &mut segments) {
+                item.error = Some(e);
+                return;
+            }
+        }
+        // Whisper may end a window early, at a timestamp well before its end, leaving speech
+        // after it untranscribed (OpenAI's loop resumes the next window from that timestamp).
+        // Such a tail runs again on its own.
+        if !work.tail {
+            if let Some(last) = segments.last() {
+                let tail = (((last.end * sr) as usize).clamp(start, end), end);
+                let pcm = inputs[work.input].0;
+                if untranscribed_speech(pcm, work.range, tail) {
+                    let positions = encoder_positions(inputs[work.input].1.padding, tail.1 - tail.0);
+                    queue.push_front(Work { range: tail, positions, tail: true, ..work });
+                    item.open[work.window] += 1;
+                }
+            }
+        }
+        item.window_segments[work.window].extend(segments);
+        item.open[work.window] -= 1;
+        if item.open[work.window] == 0 {
+            item.done += 1;
+            progress(work.input, item.done, item.total);
+        }
     }
 
     /// The language to decode with: `None` when it must be detected from the first window.
@@ -571,181 +727,42 @@ impl Whisper {
         }
     }
 
-    /// Encodes the audio of `chunk`'s rows (`ranges[row]`: samples of its input) over
-    /// `positions[row]` encoder positions each and decodes them; `None` for a trimmed row whose
-    /// greedy decode needs a fallback.
-    fn encode_and_decode(
-        &mut self,
-        inputs: &[(&[f32], &TranscribeOptions)],
-        chunk: &[(usize, usize)],
-        ranges: &[(usize, usize)],
-        positions: &[usize],
-        items: &mut [Pending],
-    ) -> Result<Vec<Option<decode::Decoded>>> {
+    /// Encodes the audio of `works` and returns each one's cross-attention keys/values (one
+    /// row each), detecting the language of inputs that need it from their first window.
+    fn encode(&self, inputs: &[(&[f32], &TranscribeOptions)], works: &[Work], items: &mut [Pending]) -> Result<Vec<decoder::CrossKv>> {
+        let positions: Vec<usize> = works.iter().map(|w| w.positions).collect();
         // Windows run through the encoder in groups (see `encoder_groups`); a window shorter
-        // than its group's longest gets zero mel frames after its own, which the encoder ignores.
-        let mut features: Vec<Option<candle_core::Tensor>> = vec![None; chunk.len()];
+        // than its group's longest gets zero mel frames after its own, which the encoder
+        // ignores, and the decoder attends to its own frames only.
+        let mut crosses: Vec<Option<decoder::CrossKv>> = vec![None; works.len()];
         let mixed = self.encoder.takes_lengths();
-        for rows in encoder_groups(positions, mixed) {
+        for rows in encoder_groups(&positions, mixed) {
             let longest = rows.iter().map(|&r| positions[r]).max().unwrap_or(0);
             let mels = rows
                 .iter()
                 .map(|&r| {
-                    let pcm = inputs[chunk[r].0].0;
-                    let (start, end) = ranges[r];
-                    let p = positions[r];
-                    let mel = mel::window_mel(&self.config, &self.filters, &pcm[start..end], 2 * p, &self.device)?;
-                    Ok(mel.pad_with_zeros(2, 0, 2 * (longest - p))?)
+                    let (start, end) = works[r].range;
+                    let pcm = &inputs[works[r].input].0[start..end];
+                    let mel = mel::window_mel(&self.config, &self.filters, pcm, 2 * positions[r], &self.device)?;
+                    Ok(mel.pad_with_zeros(2, 0, 2 * (longest - positions[r]))?)
                 })
                 .collect::<Result<Vec<_>>>()?;
             let lens: Vec<usize> = rows.iter().map(|&r| positions[r]).collect();
-            let encoded =
-                self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?, mixed.then_some(lens.as_slice()))?;
+            let encoded = self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?, mixed.then_some(lens.as_slice()))?;
+            drop(mels);
+            let cross = self.decoder.cross_kv(&encoded, Some(&lens))?;
             for (k, &r) in rows.iter().enumerate() {
-                features[r] = Some(encoded.narrow(0, k, 1)?.narrow(1, 0, positions[r])?);
+                crosses[r] = Some(cross.row(k)?);
             }
         }
-        let mut features: Vec<candle_core::Tensor> =
-            features.into_iter().map(|f| f.expect("every row has a length")).collect();
-        // Rows encoded over fewer positions are zero-padded to the longest; the decoder masks
-        // the padding, so a row decodes as it would alone.
-        let longest = positions.iter().copied().max().unwrap_or(0);
-        for (f, &p) in features.iter_mut().zip(positions) {
-            if p < longest {
-                let (b, _, d) = f.dims3()?;
-                let pad = candle_core::Tensor::zeros((b, longest - p, d), f.dtype(), f.device())?;
-                *f = candle_core::Tensor::cat(&[&*f, &pad], 1)?;
+        let crosses: Vec<decoder::CrossKv> = crosses.into_iter().map(|c| c.expect("every row is in a group")).collect();
+        for (work, cross) in works.iter().zip(&crosses) {
+            if items[work.input].language.is_none() {
+                let (id, code) = self.detect_language(cross)?;
+                items[work.input].language = Some((Some(id), code));
             }
         }
-        let cross = self.decoder.cross_kv(&candle_core::Tensor::cat(&features, 0)?, Some(positions))?;
-        drop(features);
-        for (row, &(i, _)) in chunk.iter().enumerate() {
-            if items[i].language.is_none() {
-                let (id, code) = self.detect_language(&cross.row(row)?)?;
-                items[i].language = Some((Some(id), code));
-            }
-        }
-        // Rows that share a prompt decode together; prompts differ by language, task and
-        // timestamps.
-        let mut groups: Vec<(Vec<u32>, bool, Vec<usize>)> = Vec::new();
-        for (row, &(i, _)) in chunk.iter().enumerate() {
-            let opts = inputs[i].1;
-            let (lang_token, _) = items[i].language.as_ref().expect("resolved above");
-            let mut prompt = vec![self.specials.sot];
-            if self.is_multilingual() {
-                prompt.extend(lang_token);
-                prompt.extend(match opts.task {
-                    Task::Transcribe => self.specials.transcribe,
-                    Task::Translate => self.specials.translate,
-                });
-            }
-            if !opts.timestamps {
-                prompt.push(self.specials.no_timestamps);
-            }
-            match groups.iter_mut().find(|(p, t, _)| *p == prompt && *t == opts.timestamps) {
-                Some((_, _, rows)) => rows.push(row),
-                None => groups.push((prompt, opts.timestamps, vec![row])),
-            }
-        }
-        let mut decoded: Vec<Option<decode::Decoded>> = (0..chunk.len()).map(|_| None).collect();
-        for (prompt, timestamps, rows) in groups {
-            let selected;
-            let rows_cross = if rows.len() == chunk.len() {
-                &cross
-            } else {
-                selected = cross.select(&rows)?;
-                &selected
-            };
-            // Seeds follow the window's place in its own recording, so batching cannot change
-            // what a fallback samples.
-            let seeds: Vec<u64> = rows.iter().map(|&r| chunk[r].1 as u64 + 1).collect();
-            let trimmed: Vec<bool> = rows.iter().map(|&r| positions[r] < FULL_POSITIONS).collect();
-            let out = decode::decode_with_fallback(
-                &self.decoder,
-                rows_cross,
-                &prompt,
-                &self.specials,
-                timestamps,
-                &seeds,
-                &trimmed,
-            )?;
-            for (r, d) in rows.into_iter().zip(out) {
-                decoded[r] = d;
-            }
-        }
-        Ok(decoded)
-    }
-
-    /// Encodes and decodes one batch of windows (`(input, window)` pairs, each input's windows
-    /// in order) and appends their segments to the inputs' items.
-    fn run_windows(
-        &mut self,
-        inputs: &[(&[f32], &TranscribeOptions)],
-        chunk: &[(usize, usize)],
-        items: &mut [Pending],
-        progress: &mut dyn FnMut(usize, usize, usize),
-    ) -> Result<()> {
-        let ranges: Vec<(usize, usize)> = chunk.iter().map(|&(i, w)| items[i].windows[w]).collect();
-        let mut segments = self.transcribe_ranges(inputs, chunk, &ranges, items)?;
-        // Whisper may end a window early, at a timestamp well before its end, leaving speech
-        // after it untranscribed (OpenAI's loop resumes the next window from that timestamp).
-        // Such a tail runs again on its own, as one more batch of the chunk's tails.
-        let tails: Vec<(usize, (usize, usize))> = (0..chunk.len())
-            .filter_map(|r| {
-                let last_end = (segments[r].last()?.end * m::SAMPLE_RATE as f64) as usize;
-                let (start, end) = ranges[r];
-                let tail = (last_end.clamp(start, end), end);
-                untranscribed_speech(inputs[chunk[r].0].0, ranges[r], tail).then_some((r, tail))
-            })
-            .collect();
-        if !tails.is_empty() {
-            let rows: Vec<(usize, usize)> = tails.iter().map(|&(r, _)| chunk[r]).collect();
-            let tail_ranges: Vec<(usize, usize)> = tails.iter().map(|&(_, t)| t).collect();
-            for ((r, _), more) in tails.iter().zip(self.transcribe_ranges(inputs, &rows, &tail_ranges, items)?) {
-                segments[*r].extend(more);
-            }
-        }
-        for (&(i, w), segments) in chunk.iter().zip(segments) {
-            items[i].segments.extend(segments);
-            progress(i, w + 1, items[i].total);
-        }
-        Ok(())
-    }
-
-    /// Transcribes `ranges[row]` of `chunk[row]`'s input, for each row; its segments, in seconds
-    /// from the start of the input.
-    fn transcribe_ranges(
-        &mut self,
-        inputs: &[(&[f32], &TranscribeOptions)],
-        chunk: &[(usize, usize)],
-        ranges: &[(usize, usize)],
-        items: &mut [Pending],
-    ) -> Result<Vec<Vec<Segment>>> {
-        let sr = m::SAMPLE_RATE as f64;
-        let positions: Vec<usize> =
-            chunk.iter().zip(ranges).map(|(&(i, _), &(start, end))| encoder_positions(inputs[i].1.padding, end - start)).collect();
-        let mut decoded = self.encode_and_decode(inputs, chunk, ranges, &positions, items)?;
-        // A trimmed window whose greedy decode looks wrong (a loop, low confidence) runs again
-        // over the full 30 s, as Whisper was trained, before any temperature fallback.
-        let redo: Vec<usize> = (0..chunk.len()).filter(|&r| decoded[r].is_none()).collect();
-        if !redo.is_empty() {
-            let again: Vec<(usize, usize)> = redo.iter().map(|&r| chunk[r]).collect();
-            let again_ranges: Vec<(usize, usize)> = redo.iter().map(|&r| ranges[r]).collect();
-            let full = vec![FULL_POSITIONS; again.len()];
-            for (r, d) in redo.into_iter().zip(self.encode_and_decode(inputs, &again, &again_ranges, &full, items)?) {
-                decoded[r] = d;
-            }
-        }
-        let mut out = Vec::with_capacity(chunk.len());
-        for (&(start, end), d) in ranges.iter().zip(decoded) {
-            let d = d.expect("every row decoded");
-            let mut segments = Vec::new();
-            if !d.is_silence() {
-                self.segments_of(&d.tokens, start as f64 / sr, end as f64 / sr, &mut segments)?;
-            }
-            out.push(segments);
-        }
-        Ok(out)
+        Ok(crosses)
     }
 
     /// Splits a window's tokens at timestamp tokens into segments; text after the last

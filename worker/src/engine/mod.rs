@@ -422,7 +422,8 @@ impl Thread {
             let _ = inputs[i].2.send((done, total));
         });
         let model_ms = started.elapsed().as_millis() as u64;
-        tracing::info!(recordings = inputs.len(), window_batch, model_ms, "transcription batch done");
+        let decode = model.last_decode_stats();
+        tracing::info!(recordings = inputs.len(), window_batch, model_ms, steps = decode.steps, windows = decode.seated, joined_running = decode.joined_running, "transcription batch done");
         for ((.., reply), result) in inputs.into_iter().zip(results) {
             let served = result.map(|value| Served { value, model: name.clone() });
             let _ = reply.send(served.map_err(|e| EngineError::Inference(format!("{e:#}"))));
