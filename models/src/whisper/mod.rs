@@ -11,6 +11,7 @@ mod decoder;
 mod encoder;
 mod mel;
 
+use rayon::prelude::*;
 use std::collections::VecDeque;
 use std::path::Path;
 
@@ -738,12 +739,14 @@ impl Whisper {
         let mixed = self.encoder.takes_lengths();
         for rows in encoder_groups(&positions, mixed) {
             let longest = rows.iter().map(|&r| positions[r]).max().unwrap_or(0);
+            let (config, filters, device) = (&self.config, &self.filters, &self.device);
+            // Each window's spectrogram is a serial FFT loop: one window per core.
             let mels = rows
-                .iter()
+                .par_iter()
                 .map(|&r| {
                     let (start, end) = works[r].range;
                     let pcm = &inputs[works[r].input].0[start..end];
-                    let mel = mel::window_mel(&self.config, &self.filters, pcm, 2 * positions[r], &self.device)?;
+                    let mel = mel::window_mel(config, filters, pcm, 2 * positions[r], device)?;
                     Ok(mel.pad_with_zeros(2, 0, 2 * (longest - positions[r]))?)
                 })
                 .collect::<Result<Vec<_>>>()?;
