@@ -249,6 +249,51 @@ fn batched_clips_transcribe_as_alone_in_every_decoding_mode() {
     }
 }
 
+/// Recordings handed over while others decode join the running batch, and each is answered as
+/// soon as it is done, with the transcript it gets alone.
+#[test]
+fn recordings_join_a_running_batch_and_are_answered_as_they_finish() {
+    use std::borrow::Cow;
+    use tern_models::whisper::TranscribeInput;
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let refs = references(&dir);
+    let pcms: Vec<Vec<f32>> = refs.iter().take(4).map(|(id, _)| clip_pcm(&dir, id)).collect();
+    let opts = TranscribeOptions::default();
+    let alone: Vec<String> = pcms.iter().map(|p| whisper.transcribe(p, &opts, &mut |_, _| {}).unwrap().text).collect();
+    // Two recordings first, then one more at each later call, then none.
+    let mut calls = 0;
+    let mut next = 0;
+    let mut admit = || {
+        calls += 1;
+        let take = if calls == 1 { 2 } else { 1 };
+        let from = next;
+        next = (next + take).min(pcms.len());
+        pcms[from..next].iter().map(|p| TranscribeInput { pcm: Cow::Borrowed(p.as_slice()), options: Cow::Borrowed(&opts) }).collect()
+    };
+    let events = std::cell::RefCell::new(Vec::new());
+    let mut answers: Vec<Option<String>> = vec![None; pcms.len()];
+    whisper.transcribe_continuous(
+        2,
+        &mut admit,
+        &|_| false,
+        &mut |i, _, _| events.borrow_mut().push(("progress", i)),
+        &mut |i, r| {
+            assert!(answers[i].is_none(), "input {i} answered twice");
+            answers[i] = Some(r.unwrap().text);
+            events.borrow_mut().push(("done", i));
+        },
+    );
+    assert_eq!(answers.into_iter().map(Option::unwrap).collect::<Vec<_>>(), alone);
+    // The first recording is answered before the last one's window finishes, not at the end.
+    let events = events.into_inner();
+    let first_done = events.iter().position(|e| e.0 == "done").unwrap();
+    assert!(events[first_done..].iter().any(|&(kind, i)| kind == "progress" && i == pcms.len() - 1), "{events:?}");
+    let stats = whisper.last_decode_stats();
+    assert_eq!(stats.seated, pcms.len(), "{stats:?}");
+    assert_eq!(stats.joined_running > 0, tern_models::precision::Precision::cpu_has_bf16_products(), "{stats:?}");
+}
+
 #[test]
 fn full_padding_transcribes_as_whisper_was_trained() {
     let Some(dir) = models_dir() else { return };

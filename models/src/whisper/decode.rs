@@ -218,6 +218,11 @@ impl Row {
         Row { window, temperature, rng, tokens, fed: 0, sum_logprob: 0.0, no_speech_prob: 0.0, best, finished: false, reported: false }
     }
 
+    /// Whether the token just fed was the SOT, where OpenAI reads the no-speech probability.
+    fn just_fed_sot(&self, sp: &Specials) -> bool {
+        sp.no_speech.is_some() && self.fed > 0 && self.window.prompt.iter().position(|&t| t == sp.sot) == Some(self.fed - 1)
+    }
+
     fn sampled(&self) -> &[u32] {
         &self.tokens[self.window.prompt.len()..]
     }
@@ -352,10 +357,6 @@ impl<'a> WindowBatch<'a> {
                 }
                 same.iter_mut().for_each(|r| r.fed = fed);
             }
-        } else {
-            for row in &seated {
-                self.decoder.push_row(&mut self.kv, row.window.prompt.len() + SAMPLE_LEN);
-            }
         }
         let mut parts: Vec<&CrossKv> = Vec::with_capacity(2);
         if let Some(c) = &self.cross {
@@ -410,8 +411,7 @@ impl<'a> WindowBatch<'a> {
         let mut wanted = Vec::new();
         for (j, r) in self.rows.iter_mut().enumerate() {
             r.fed += 1;
-            let at_sot = sp.no_speech.is_some() && r.window.prompt.iter().position(|&t| t == sp.sot) == Some(r.fed - 1);
-            if !r.finished && (at_sot || r.fed == r.tokens.len()) {
+            if !r.finished && (r.just_fed_sot(sp) || r.fed == r.tokens.len()) {
                 wanted.push(j);
             }
         }
@@ -427,11 +427,8 @@ impl<'a> WindowBatch<'a> {
         let picked: Vec<&mut Row> = self.rows.iter_mut().zip(is_wanted).filter(|(_, w)| *w).map(|(r, _)| r).collect();
         // The rules and picks of the rows are independent: a few passes over 51k logits each.
         picked.into_par_iter().zip(logits).for_each(|(r, mut logits)| {
-            if let Some(ns) = sp.no_speech {
-                if r.window.prompt.iter().position(|&t| t == sp.sot) == Some(r.fed - 1) {
-                    // OpenAI reads the no-speech probability at the SOT position.
-                    r.no_speech_prob = f64::from(logits[ns as usize] - log_sum_exp(&logits)).exp();
-                }
+            if let (Some(ns), true) = (sp.no_speech, r.just_fed_sot(sp)) {
+                r.no_speech_prob = f64::from(logits[ns as usize] - log_sum_exp(&logits)).exp();
             }
             if r.fed < r.tokens.len() {
                 return;

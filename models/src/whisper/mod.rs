@@ -12,6 +12,7 @@ mod encoder;
 mod mel;
 
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::path::Path;
 
@@ -290,8 +291,6 @@ fn untranscribed_speech(pcm: &[f32], window: (usize, usize), tail: (usize, usize
 
 /// A recording's transcript while [`Whisper::transcribe_many`] builds it.
 struct Pending {
-    /// Sample ranges of the recording's windows ([`window_cuts`]).
-    windows: Vec<(usize, usize)>,
     /// Windows the recording costs.
     total: usize,
     /// `None` until detected from the first window.
@@ -303,6 +302,18 @@ struct Pending {
     /// Windows done.
     done: usize,
     error: Option<anyhow::Error>,
+}
+
+/// A recording for [`Whisper::transcribe_continuous`]: 16 kHz mono PCM and its options, borrowed
+/// or owned (owned ones are dropped as soon as the recording is answered).
+pub struct TranscribeInput<'a> {
+    pub pcm: Cow<'a, [f32]>,
+    pub options: Cow<'a, TranscribeOptions>,
+}
+
+/// Input `i`, which is not answered yet: work of answered inputs is never looked at.
+fn input_of<'b, 'a>(inputs: &'b [Option<TranscribeInput<'a>>], i: usize) -> &'b TranscribeInput<'a> {
+    inputs[i].as_ref().expect("an input is answered only when no work of it is looked at again")
 }
 
 /// Audio waiting to be encoded and decoded: a window of an input, the untranscribed end of one
@@ -528,33 +539,56 @@ impl Whisper {
         canceled: &dyn Fn(usize) -> bool,
         progress: &mut dyn FnMut(usize, usize, usize),
     ) -> Vec<Result<Transcript>> {
-        let sr = m::SAMPLE_RATE;
-        let mut items: Vec<Pending> = inputs
-            .iter()
-            .map(|(pcm, opts)| {
-                let windows = window_cuts(pcm);
-                let total = windows.len();
-                let (language, error) = match self.resolve_language(opts) {
-                    Ok(l) => (l, None),
-                    Err(e) => (None, Some(e)),
-                };
-                Pending { window_segments: vec![Vec::new(); total], open: vec![1; total], done: 0, windows, total, language, error }
-            })
-            .collect();
-        let mut queue: VecDeque<Work> = items
-            .iter()
-            .enumerate()
-            .filter(|(_, it)| it.error.is_none())
-            .flat_map(|(i, it)| {
-                let padding = inputs[i].1.padding;
-                it.windows.iter().enumerate().map(move |(w, &range)| Work { input: i, window: w, range, positions: encoder_positions(padding, range.1 - range.0), tail: false })
-            })
-            .collect();
+        let mut all = Some(inputs.iter().map(|&(pcm, options)| TranscribeInput { pcm: Cow::Borrowed(pcm), options: Cow::Borrowed(options) }).collect::<Vec<_>>());
+        let mut results: Vec<Option<Result<Transcript>>> = inputs.iter().map(|_| None).collect();
+        self.transcribe_continuous(window_batch, &mut || all.take().unwrap_or_default(), canceled, progress, &mut |i, r| results[i] = Some(r));
+        results.into_iter().map(|r| r.expect("every input is answered")).collect()
+    }
+
+    /// [`Whisper::transcribe_many`] for recordings that keep coming: `admit()` hands over more
+    /// (numbered from 0 in the order handed over) and is asked again whenever fewer than
+    /// `window_batch` windows wait to be encoded, so new recordings join the running batch;
+    /// the call returns once `admit()` gives nothing and every recording is answered.
+    /// `done(input, result)` answers each recording as soon as its last window is decoded (or
+    /// it fails), not when the whole batch ends, and the recording's samples are dropped then.
+    pub fn transcribe_continuous<'a>(
+        &mut self,
+        window_batch: usize,
+        admit: &mut dyn FnMut() -> Vec<TranscribeInput<'a>>,
+        canceled: &dyn Fn(usize) -> bool,
+        progress: &mut dyn FnMut(usize, usize, usize),
+        done: &mut dyn FnMut(usize, Result<Transcript>),
+    ) {
         let capacity = window_batch.max(1);
+        let mut inputs: Vec<Option<TranscribeInput<'a>>> = Vec::new();
+        let mut items: Vec<Pending> = Vec::new();
+        // Inputs not answered yet.
+        let mut open: Vec<usize> = Vec::new();
+        let mut queue: VecDeque<Work> = VecDeque::new();
         // Every window encoded, by tag.
         let mut works: Vec<Work> = Vec::new();
         let mut batch = decode::WindowBatch::new(&self.decoder, &self.specials, capacity);
         loop {
+            let mut arrived = 0;
+            if queue.len() < capacity {
+                for input in admit() {
+                    arrived += 1;
+                    let i = inputs.len();
+                    let windows = window_cuts(&input.pcm);
+                    let total = windows.len();
+                    let (language, error) = match self.resolve_language(&input.options) {
+                        Ok(l) => (l, None),
+                        Err(e) => (None, Some(e)),
+                    };
+                    if error.is_none() {
+                        let padding = input.options.padding;
+                        queue.extend(windows.iter().enumerate().map(|(w, &range)| Work { input: i, window: w, range, positions: encoder_positions(padding, range.1 - range.0), tail: false }));
+                    }
+                    items.push(Pending { window_segments: vec![Vec::new(); total], open: vec![1; total], done: 0, total, language, error });
+                    inputs.push(Some(input));
+                    open.push(i);
+                }
+            }
             let room = batch.room();
             // A running batch takes more windows once a quarter of it is free: encoding a window
             // or two at a time would waste the encoder's wide products.
@@ -571,10 +605,10 @@ impl Whisper {
                         taken.push(work);
                     }
                 }
-                match self.encode(inputs, &taken, &mut items) {
+                match self.encode(&inputs, &taken, &mut items) {
                     Ok(crosses) => {
                         for (work, cross) in taken.into_iter().zip(crosses) {
-                            let opts = inputs[work.input].1;
+                            let opts = &input_of(&inputs, work.input).options;
                             let tag = works.len();
                             works.push(work);
                             batch.add(decode::Window {
@@ -598,46 +632,56 @@ impl Whisper {
                     }
                 }
             }
-            if batch.is_idle() {
-                if queue.is_empty() {
-                    break;
+            if !batch.is_idle() {
+                match batch.step() {
+                    Ok(finished) => {
+                        for (tag, decoded) in finished {
+                            self.finish_work(&inputs, works[tag], decoded, &mut items, &mut queue, progress);
+                        }
+                    }
+                    Err(e) => {
+                        let message = format!("{e:#}");
+                        for tag in batch.drain() {
+                            items[works[tag].input].error.get_or_insert_with(|| anyhow!("{message}"));
+                        }
+                    }
                 }
-                continue;
             }
-            match batch.step() {
-                Ok(finished) => {
-                    for (tag, decoded) in finished {
-                        self.finish_work(inputs, works[tag], decoded, &mut items, &mut queue, progress);
-                    }
+            // Answer the inputs that are done or failed (a failed one's rows still decoding
+            // are ignored when they finish).
+            open.retain(|&i| {
+                let item = &mut items[i];
+                if item.error.is_none() && item.done < item.total {
+                    return true;
                 }
-                Err(e) => {
-                    let message = format!("{e:#}");
-                    for tag in batch.drain() {
-                        items[works[tag].input].error.get_or_insert_with(|| anyhow!("{message}"));
+                let input = inputs[i].take().expect("answered once");
+                let result = match item.error.take() {
+                    Some(e) => Err(e),
+                    None => {
+                        let segments: Vec<Segment> = std::mem::take(&mut item.window_segments).into_iter().flatten().collect();
+                        let text = segments.iter().map(|s| s.text.as_str()).collect::<Vec<_>>().join(" ");
+                        Ok(Transcript {
+                            text,
+                            language: item.language.as_ref().map(|(_, c)| c.clone()).unwrap_or_else(|| "en".into()),
+                            duration: input.pcm.len() as f64 / m::SAMPLE_RATE as f64,
+                            segments,
+                        })
                     }
-                }
+                };
+                // Marked failed so that rows still decoding for it are ignored.
+                item.error = Some(anyhow!("answered"));
+                done(i, result);
+                false
+            });
+            // Done once everything is answered and `admit()`, asked at the top of this round,
+            // had nothing more.
+            if arrived == 0 && batch.is_idle() && queue.is_empty() && open.is_empty() {
+                break;
             }
         }
         let stats = batch.stats();
         drop(batch);
         self.last_decode = stats;
-        inputs
-            .iter()
-            .zip(items)
-            .map(|((pcm, _), it)| {
-                if let Some(e) = it.error {
-                    return Err(e);
-                }
-                let segments: Vec<Segment> = it.window_segments.into_iter().flatten().collect();
-                let text = segments.iter().map(|s| s.text.as_str()).collect::<Vec<_>>().join(" ");
-                Ok(Transcript {
-                    text,
-                    language: it.language.map(|(_, c)| c).unwrap_or_else(|| "en".into()),
-                    duration: pcm.len() as f64 / sr as f64,
-                    segments,
-                })
-            })
-            .collect()
     }
 
     /// The decoder prompt of an input whose language is resolved.
@@ -662,7 +706,7 @@ impl Whisper {
     /// Whisper was trained, before any temperature fallback.
     fn finish_work(
         &self,
-        inputs: &[(&[f32], &TranscribeOptions)],
+        inputs: &[Option<TranscribeInput<'_>>],
         work: Work,
         decoded: Option<decode::Decoded>,
         items: &mut [Pending],
@@ -692,9 +736,9 @@ impl Whisper {
         if !work.tail {
             if let Some(last) = segments.last() {
                 let tail = (((last.end * sr) as usize).clamp(start, end), end);
-                let pcm = inputs[work.input].0;
-                if untranscribed_speech(pcm, work.range, tail) {
-                    let positions = encoder_positions(inputs[work.input].1.padding, tail.1 - tail.0);
+                let input = input_of(inputs, work.input);
+                if untranscribed_speech(&input.pcm, work.range, tail) {
+                    let positions = encoder_positions(input.options.padding, tail.1 - tail.0);
                     queue.push_front(Work { range: tail, positions, tail: true, ..work });
                     item.open[work.window] += 1;
                 }
@@ -730,7 +774,7 @@ impl Whisper {
 
     /// Encodes the audio of `works` and returns each one's cross-attention keys/values (one
     /// row each), detecting the language of inputs that need it from their first window.
-    fn encode(&self, inputs: &[(&[f32], &TranscribeOptions)], works: &[Work], items: &mut [Pending]) -> Result<Vec<decoder::CrossKv>> {
+    fn encode(&self, inputs: &[Option<TranscribeInput<'_>>], works: &[Work], items: &mut [Pending]) -> Result<Vec<decoder::CrossKv>> {
         let positions: Vec<usize> = works.iter().map(|w| w.positions).collect();
         // Windows run through the encoder in groups (see `encoder_groups`); a window shorter
         // than its group's longest gets zero mel frames after its own, which the encoder
@@ -745,7 +789,7 @@ impl Whisper {
                 .par_iter()
                 .map(|&r| {
                     let (start, end) = works[r].range;
-                    let pcm = &inputs[works[r].input].0[start..end];
+                    let pcm = &input_of(inputs, works[r].input).pcm[start..end];
                     let mel = mel::window_mel(config, filters, pcm, 2 * positions[r], device)?;
                     Ok(mel.pad_with_zeros(2, 0, 2 * (longest - positions[r]))?)
                 })

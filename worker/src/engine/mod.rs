@@ -1,7 +1,8 @@
 //! Runs the models on one dedicated OS thread, never on the async runtime's workers. Requests
 //! from the jobs in hand queue on a channel; the thread gathers the ones that can run together
 //! (transcriptions with transcriptions, embeddings with embeddings) and runs each group as one
-//! batch on a model from the [`cache::ModelCache`].
+//! batch on a model from the [`cache::ModelCache`]. Transcription and generation batches take
+//! in requests of their family that arrive while they run, and answer each as it finishes.
 
 pub mod cache;
 pub mod health;
@@ -14,7 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tern_models::generate::{GenerateError, GenerateOptions, Generation, GenerationRequest, Prompt};
-use tern_models::whisper::{TranscribeOptions, Transcript};
+use std::borrow::Cow;
+use tern_models::whisper::{TranscribeInput, TranscribeOptions, Transcript};
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
 /// Which model folder (under the models directory) serves each family.
@@ -369,7 +371,7 @@ impl Thread {
                 self.batches_during_load.fetch_add(1, Ordering::Relaxed);
             }
             match family {
-                Family::Whisper => self.transcribe(group),
+                Family::Whisper => self.transcribe(group, &rx),
                 Family::Embedder => self.embed(group),
                 Family::Llm => self.generate(group, &rx),
             }
@@ -398,35 +400,83 @@ impl Thread {
         }
     }
 
-    fn transcribe(&mut self, group: Vec<Request>) {
-        let mut inputs = Vec::new();
-        for r in group {
-            if let Request::Transcribe { pcm, options, progress, stop, reply } = r {
-                inputs.push((pcm, options, progress, stop, reply));
-            }
-        }
+    /// Runs the transcription requests of `group` and lets more join while they decode
+    /// (continuous batching, [`tern_models::whisper::Whisper::transcribe_continuous`]):
+    /// transcription requests waiting on `rx` join whenever the batch runs short of windows,
+    /// until a request of another family waits; each reply goes out as soon as its recording
+    /// is transcribed.
+    fn transcribe(&mut self, group: Vec<Request>, rx: &mpsc::Receiver<Request>) {
         let name = self.name_of(Family::Whisper);
         let model = match self.cache.get(Family::Whisper, &name) {
             Ok(Model::Whisper(m)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
             Err(e) => {
-                inputs.into_iter().for_each(|(_, _, _, _, reply)| drop(reply.send(Err(e.clone()))));
+                for r in group {
+                    if let Request::Transcribe { reply, .. } = r {
+                        let _ = reply.send(Err(e.clone()));
+                    }
+                }
                 return;
             }
         };
         let window_batch = self.limits.windows.unwrap_or(self.windows.load(Ordering::Relaxed) as usize);
-        let refs: Vec<(&[f32], &TranscribeOptions)> = inputs.iter().map(|(p, o, ..)| (p.as_slice(), o)).collect();
-        let canceled = |i: usize| inputs[i].3.load(Ordering::Relaxed);
-        let started = Instant::now();
-        let results = model.transcribe_many(&refs, window_batch, &canceled, &mut |i, done, total| {
-            let _ = inputs[i].2.send((done, total));
-        });
-        let model_ms = started.elapsed().as_millis() as u64;
-        let decode = model.last_decode_stats();
-        tracing::info!(recordings = inputs.len(), window_batch, model_ms, steps = decode.steps, windows = decode.seated, joined_running = decode.joined_running, "transcription batch done");
-        for ((.., reply), result) in inputs.into_iter().zip(results) {
+        type Job = (tokio_mpsc::UnboundedSender<(usize, usize)>, Arc<AtomicBool>, Reply<Transcript>);
+        // Per request number, until it is answered.
+        let jobs: std::cell::RefCell<Vec<Option<Job>>> = Default::default();
+        let mut waiting: Vec<Request> = group;
+        let mut installs = Vec::new();
+        let backlog = &mut self.backlog;
+        let mut first_call = true;
+        let mut joined_late = 0usize;
+        let mut admit = || -> Vec<TranscribeInput<'static>> {
+            if !first_call {
+                // Newcomers, unless another family is waiting for the model thread.
+                while backlog.is_empty() {
+                    match rx.try_recv() {
+                        Ok(r @ Request::Transcribe { .. }) => {
+                            joined_late += 1;
+                            waiting.push(r);
+                        }
+                        Ok(Request::Install { family, name, loaded, reply }) => installs.push((family, name, loaded, reply)),
+                        Ok(r) => backlog.push_back(r),
+                        Err(_) => break,
+                    }
+                }
+            }
+            first_call = false;
+            waiting
+                .drain(..)
+                .filter_map(|r| match r {
+                    Request::Transcribe { pcm, options, progress, stop, reply } => {
+                        jobs.borrow_mut().push(Some((progress, stop, reply)));
+                        Some(TranscribeInput { pcm: Cow::Owned(pcm), options: Cow::Owned(options) })
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let canceled = |i: usize| jobs.borrow()[i].as_ref().is_some_and(|(_, stop, _)| stop.load(Ordering::Relaxed));
+        let mut progress = |i: usize, done: usize, total: usize| {
+            if let Some((progress, ..)) = &jobs.borrow()[i] {
+                let _ = progress.send((done, total));
+            }
+        };
+        let mut served = 0usize;
+        let mut done = |i: usize, result: anyhow::Result<Transcript>| {
+            let Some((.., reply)) = jobs.borrow_mut()[i].take() else { return };
+            served += 1;
             let served = result.map(|value| Served { value, model: name.clone() });
             let _ = reply.send(served.map_err(|e| EngineError::Inference(format!("{e:#}"))));
+        };
+        let started = Instant::now();
+        model.transcribe_continuous(window_batch, &mut admit, &canceled, &mut progress, &mut done);
+        drop(admit);
+        drop(done);
+        let model_ms = started.elapsed().as_millis() as u64;
+        let decode = model.last_decode_stats();
+        tracing::info!(recordings = served, joined_late, window_batch, model_ms, steps = decode.steps, windows = decode.seated, joined_running = decode.joined_running, "transcription batch done");
+        for (family, name, loaded, reply) in installs {
+            self.install(family, name, *loaded, reply);
         }
         self.calibrate(&name, self.limits.windows, MAX_WINDOWS, &self.windows);
     }
