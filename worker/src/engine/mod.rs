@@ -430,8 +430,9 @@ impl Thread {
         let mut joined_late = 0usize;
         let mut admit = || -> Vec<TranscribeInput<'static>> {
             if !first_call {
-                // Newcomers, unless another family is waiting for the model thread.
-                while backlog.is_empty() {
+                // Newcomers, unless another family or a model swap is waiting for the model
+                // thread: then the batch drains and that goes next.
+                while backlog.is_empty() && installs.is_empty() {
                     match rx.try_recv() {
                         Ok(r @ Request::Transcribe { .. }) => {
                             joined_late += 1;
@@ -557,8 +558,9 @@ impl Thread {
         let mut first_call = true;
         let mut admit = |_running: usize| -> Vec<GenerationRequest<'_>> {
             if !first_call {
-                // Newcomers, unless another family is waiting for the model thread.
-                while backlog.is_empty() {
+                // Newcomers, unless another family or a model swap is waiting for the model
+                // thread: then the batch drains and that goes next.
+                while backlog.is_empty() && installs.is_empty() {
                     match rx.try_recv() {
                         Ok(r @ Request::Generate { .. }) => waiting.push_back(r),
                         Ok(Request::Install { family, name, loaded, reply }) => installs.push((family, name, loaded, reply)),
