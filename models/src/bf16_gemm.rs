@@ -354,6 +354,17 @@ pub(crate) fn test_values(n: usize, seed: usize) -> Vec<f32> {
     (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
 }
 
+/// For the tests of the BF16 paths: whether this CPU lacks them (then the test says it skipped
+/// and returns).
+#[cfg(test)]
+pub(crate) fn skip_without_bf16() -> bool {
+    if available() {
+        return false;
+    }
+    eprintln!("skipped: this CPU has no AVX-512 BF16");
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -363,8 +374,7 @@ mod tests {
     /// kernel's 12 and the task's 96.
     #[test]
     fn bf16_products_match_f64_sums_of_the_rounded_values_and_rows_do_not_depend_on_their_batch() {
-        if !available() {
-            eprintln!("skipped: this CPU has no AVX-512 BF16");
+        if skip_without_bf16() {
             return;
         }
         let (d_in, d_out) = (77usize, 293usize);

@@ -137,8 +137,7 @@ mod tests {
     /// shorter masked there, packed short here), two heads, one and two query tokens.
     #[test]
     fn bf16_cross_attention_matches_f32_within_bf16_rounding() {
-        if !bf16_gemm::available() {
-            eprintln!("skipped: this CPU has no AVX-512 BF16");
+        if bf16_gemm::skip_without_bf16() {
             return;
         }
         let (batch, h, hd, frames) = (2usize, 2usize, 8usize, 37usize);

@@ -53,6 +53,7 @@ impl Decoded {
 
 /// Small deterministic PRNG (xorshift64*) for temperature sampling: reproducible runs without
 /// another dependency.
+#[derive(Clone)]
 struct Rng(u64);
 impl Rng {
     fn next_f64(&mut self) -> f64 {
@@ -276,7 +277,7 @@ impl<'a> WindowBatch<'a> {
     /// Whether windows join while others decode: one cache per row, and cross-attention keys
     /// that join without copies.
     fn rows_join(&self) -> bool {
-        self.kv.rows_join() && self.decoder.packs_cross()
+        self.kv.per_row() && self.decoder.packs_cross()
     }
 
     /// How many more windows [`Self::add`] may take now: free rows not claimed by waiting
@@ -332,7 +333,7 @@ impl<'a> WindowBatch<'a> {
             self.kv = self.decoder.new_self_kv();
             self.cross = None;
         }
-        if self.kv.rows_join() {
+        if self.kv.per_row() {
             // Prompts of several tokens (multilingual models) go through in one pass but for
             // their last token, which the next step feeds and samples after.
             seated.sort_by_key(|r| r.window.prompt.len());
@@ -408,13 +409,15 @@ impl<'a> WindowBatch<'a> {
         self.stats.steps += 1;
         // Logits only for rows that read them: at the SOT (no-speech probability) or at the
         // end of what they were fed (the next token).
-        let mut wanted = Vec::new();
-        for (j, r) in self.rows.iter_mut().enumerate() {
-            r.fed += 1;
-            if !r.finished && (r.just_fed_sot(sp) || r.fed == r.tokens.len()) {
-                wanted.push(j);
-            }
-        }
+        let is_wanted: Vec<bool> = self
+            .rows
+            .iter_mut()
+            .map(|r| {
+                r.fed += 1;
+                !r.finished && (r.just_fed_sot(sp) || r.fed == r.tokens.len())
+            })
+            .collect();
+        let wanted: Vec<usize> = (0..is_wanted.len()).filter(|&j| is_wanted[j]).collect();
         let logits = if wanted.is_empty() {
             Vec::new()
         } else {
@@ -422,8 +425,6 @@ impl<'a> WindowBatch<'a> {
             self.decoder.logits_vecs(&hidden.index_select(&index, 0)?, 0)?
         };
         let max_ctx = self.decoder.max_positions();
-        let mut is_wanted = vec![false; self.rows.len()];
-        wanted.iter().for_each(|&j| is_wanted[j] = true);
         let picked: Vec<&mut Row> = self.rows.iter_mut().zip(is_wanted).filter(|(_, w)| *w).map(|(r, _)| r).collect();
         // The rules and picks of the rows are independent: a few passes over 51k logits each.
         picked.into_par_iter().zip(logits).for_each(|(r, mut logits)| {
@@ -433,8 +434,7 @@ impl<'a> WindowBatch<'a> {
             if r.fed < r.tokens.len() {
                 return;
             }
-            let prompt_len = r.window.prompt.len();
-            apply_rules(&mut logits, &r.tokens[prompt_len..], sp, r.window.timestamps);
+            apply_rules(&mut logits, r.sampled(), sp, r.window.timestamps);
             let next = pick(&logits, TEMPERATURES[r.temperature], &mut r.rng);
             if next == sp.eot {
                 r.finished = true;
@@ -442,8 +442,7 @@ impl<'a> WindowBatch<'a> {
             }
             r.sum_logprob += f64::from(logits[next as usize] - log_sum_exp(&logits));
             r.tokens.push(next);
-            let sampled = r.tokens.len() - prompt_len;
-            if sampled >= SAMPLE_LEN || r.tokens.len() >= max_ctx {
+            if r.sampled().len() >= SAMPLE_LEN || r.tokens.len() >= max_ctx {
                 r.finished = true;
             }
         });
@@ -469,7 +468,7 @@ impl<'a> WindowBatch<'a> {
                 continue;
             }
             // The sampler goes on from where this temperature left it, as OpenAI's does.
-            rerun.push(Row::new(r.window.clone(), r.temperature + 1, Rng(r.rng.0), Some(best)));
+            rerun.push(Row::new(r.window.clone(), r.temperature + 1, r.rng.clone(), Some(best)));
         }
         self.waiting.extend(rerun);
         self.compact()?;

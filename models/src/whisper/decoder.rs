@@ -202,8 +202,9 @@ pub(crate) enum SelfKv {
 }
 
 impl SelfKv {
-    /// Whether rows may join while others are decoding.
-    pub fn rows_join(&self) -> bool {
+    /// Whether each row has its own cache ([`SelfKv::Rows`]): the condition on this side for
+    /// rows to join while others decode.
+    pub fn per_row(&self) -> bool {
         matches!(self, SelfKv::Rows(_))
     }
 
@@ -487,11 +488,16 @@ impl Decoder {
         }
     }
 
+    /// An empty row cache with room for `tokens` tokens.
+    fn empty_row(&self, tokens: usize) -> RowKv {
+        let room = tokens * self.n_head * self.head_dim;
+        RowKv { layers: (0..self.layers.len()).map(|_| (Vec::with_capacity(room), Vec::with_capacity(room))).collect(), len: 0 }
+    }
+
     /// Adds an empty row to a [`SelfKv::Rows`] cache, room reserved for `tokens` tokens.
     pub fn push_row(&self, kv: &mut SelfKv, tokens: usize) {
         if let SelfKv::Rows(all) = kv {
-            let room = tokens * self.n_head * self.head_dim;
-            all.push(RowKv { layers: (0..self.layers.len()).map(|_| (Vec::with_capacity(room), Vec::with_capacity(room))).collect(), len: 0 });
+            all.push(self.empty_row(tokens));
         }
     }
 
@@ -505,18 +511,18 @@ impl Decoder {
         let hidden = self.forward(tokens, cross, &mut cache)?;
         let (rows, len) = tokens.dims2()?;
         let d = self.n_head * self.head_dim;
-        let mut new: Vec<RowKv> = (0..rows).map(|_| RowKv { layers: Vec::with_capacity(self.layers.len()), len }).collect();
-        for layer in cache.layers {
+        let mut new: Vec<RowKv> = (0..rows).map(|_| self.empty_row(room.max(len))).collect();
+        for (i, layer) in cache.layers.into_iter().enumerate() {
             let Some((k, v)) = layer else { candle_core::bail!("prefill left a layer uncached") };
             // `(rows, head, len, head_dim)` -> per row `(len, d_model)`.
             let k = k.transpose(1, 2)?.flatten_all()?.to_vec1::<f32>()?;
             let v = v.transpose(1, 2)?.flatten_all()?.to_vec1::<f32>()?;
             for (r, row) in new.iter_mut().enumerate() {
                 let span = r * len * d..(r + 1) * len * d;
-                let (mut keys, mut values) = (Vec::with_capacity(room.max(len) * d), Vec::with_capacity(room.max(len) * d));
+                let (keys, values) = &mut row.layers[i];
                 keys.extend_from_slice(&k[span.clone()]);
                 values.extend_from_slice(&v[span]);
-                row.layers.push((keys, values));
+                row.len = len;
             }
         }
         all.extend(new);
@@ -582,33 +588,31 @@ impl Decoder {
     /// Layer `i`'s cross-attention over the windows' encoder output and its MLP, each with its
     /// residual, on hidden states `x` `(batch, tokens, d_model)`.
     fn cross_and_mlp(&self, i: usize, layer: &Layer, mut x: Tensor, cross: &CrossKv) -> Result<Tensor> {
-        {
-            // Cross-attention over the window's encoder output.
-            let h = layer.cross_ln.forward(&x)?;
-            let a = &layer.cross_attn;
-            let q = (self.heads(&a.q.forward(&h)?)? * self.scale)?;
-            let o = match (cross.packed.get(i), cross.layers.get(i)) {
-                (Some(packed), _) => attention::attend_bf16(&q, packed)?,
-                (None, Some((ck, cv))) => match attention::attend_one(&q, ck, KeyLayout::Transposed, cv, cross.frames.as_deref())? {
-                    Some(o) => o,
-                    None => {
-                        let mut scores = q.matmul(ck)?;
-                        if let Some(mask) = &cross.mask {
-                            scores = scores.broadcast_add(mask)?;
-                        }
-                        candle_nn::ops::softmax_last_dim(&scores)?.matmul(cv)?
+        // Cross-attention over the window's encoder output.
+        let h = layer.cross_ln.forward(&x)?;
+        let a = &layer.cross_attn;
+        let q = (self.heads(&a.q.forward(&h)?)? * self.scale)?;
+        let o = match (cross.packed.get(i), cross.layers.get(i)) {
+            (Some(packed), _) => attention::attend_bf16(&q, packed)?,
+            (None, Some((ck, cv))) => match attention::attend_one(&q, ck, KeyLayout::Transposed, cv, cross.frames.as_deref())? {
+                Some(o) => o,
+                None => {
+                    let mut scores = q.matmul(ck)?;
+                    if let Some(mask) = &cross.mask {
+                        scores = scores.broadcast_add(mask)?;
                     }
-                },
-                (None, None) => candle_core::bail!("no cross-attention keys for layer {i}"),
-            };
-            let o = self.merge(&o)?;
-            x = (x + a.out.forward(&o)?)?;
+                    candle_nn::ops::softmax_last_dim(&scores)?.matmul(cv)?
+                }
+            },
+            (None, None) => candle_core::bail!("no cross-attention keys for layer {i}"),
+        };
+        let o = self.merge(&o)?;
+        x = (x + a.out.forward(&o)?)?;
 
-            // MLP.
-            let h = layer.mlp_ln.forward(&x)?;
-            let h = layer.fc2.forward(&layer.fc1.forward(&h)?.gelu()?)?;
-            x = (x + h)?;
-        }
+        // MLP.
+        let h = layer.mlp_ln.forward(&x)?;
+        let h = layer.fc2.forward(&layer.fc1.forward(&h)?.gelu()?)?;
+        x = (x + h)?;
         Ok(x)
     }
 

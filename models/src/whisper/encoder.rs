@@ -232,8 +232,7 @@ mod tests {
     /// Channel counts that cross a 32-column block and lengths odd and even, at both strides.
     #[test]
     fn bf16_convolutions_match_candles_f32_ones() {
-        if !bf16_gemm::available() {
-            eprintln!("skipped: this CPU has no AVX-512 BF16");
+        if bf16_gemm::skip_without_bf16() {
             return;
         }
         let (b, c_in, c_out) = (2usize, 6usize, 40usize);
