@@ -25,6 +25,12 @@ impl Precision {
         crate::bf16_gemm::available()
     }
 
+    /// What runs the BF16 products on this CPU: `Some("AMX")` (Intel's tiles, Sapphire Rapids
+    /// and later, unless `TERN_NO_AMX` is set), `Some("AVX-512 BF16")`, or `None`.
+    pub fn cpu_bf16_kernel() -> Option<&'static str> {
+        crate::bf16_gemm::kernel_name()
+    }
+
     /// The candle dtype this precision resolves to on `device`.
     pub fn dtype(self, device: &Device) -> DType {
         match self {

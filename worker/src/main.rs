@@ -250,7 +250,7 @@ async fn run() -> anyhow::Result<()> {
         registry: registry.clone(),
         engine: kinds.iter().any(|k| *k != JobKind::Echo).then(|| {
             let budget = cli.memory_budget.unwrap_or_else(|| resources::default_budget(&cli.device));
-            tracing::info!(memory_budget = budget, device = ?cli.device, precision = %cli.precision, "models run here");
+            tracing::info!(memory_budget = budget, device = ?cli.device, precision = %cli.precision, cpu_bf16_products = tern_models::precision::Precision::cpu_bf16_kernel().unwrap_or("none"), "models run here");
             Arc::new(engine::Engine::start(
                 expand_home(&cli.models_dir),
                 cli.device.clone(),

@@ -119,10 +119,9 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dir = expand_home(&args.models_dir);
     let device = parse_device(&args.device)?;
-    let bf16 = if args.device == "cpu" && args.precision == Precision::Auto && Precision::cpu_has_bf16_products() {
-        " (BF16 products: this CPU has AVX-512 BF16)"
-    } else {
-        ""
+    let bf16 = match Precision::cpu_bf16_kernel() {
+        Some(kernel) if args.device == "cpu" && args.precision == Precision::Auto => format!(" (BF16 products on {kernel})"),
+        _ => String::new(),
     };
     println!("tern-bench-models: device {}, precision {}{bf16}", args.device, args.precision);
     for section in &args.only {

@@ -10,11 +10,17 @@
 //!
 //! Each output value is summed in the same order whatever rows come with it, so a window
 //! batched with others gives the same values as alone.
+//!
+//! Where the CPU also has AMX (Intel Sapphire Rapids and later), the same products run on its
+//! tiles instead ([`amx`]); `TERN_NO_AMX=1` keeps them on AVX-512.
 
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use crate::cpu_ops::{contiguous_f32, OutPtr};
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
 
 /// Output columns per kernel call: two AVX-512 registers of F32 sums.
 const NR: usize = 32;
@@ -38,6 +44,19 @@ pub(crate) fn available() -> bool {
     false
 }
 
+/// What runs the products: `Some("AMX")`, `Some("AVX-512 BF16")`, or `None` where
+/// [`available`] is false.
+pub(crate) fn kernel_name() -> Option<&'static str> {
+    if !available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if amx::available() {
+        return Some("AMX");
+    }
+    Some("AVX-512 BF16")
+}
+
 /// Two BF16 values in one `u32`, `lo` in the low half (the order `vdpbf16ps` pairs them in).
 fn bf16_pair(lo: f32, hi: f32) -> u32 {
     u32::from(bf16_bits(lo)) | (u32::from(bf16_bits(hi)) << 16)
@@ -45,7 +64,8 @@ fn bf16_pair(lo: f32, hi: f32) -> u32 {
 
 /// The right-hand matrix `B` (`k x n`) of BF16 products, laid out for the kernel: for each
 /// block of [`NR`] columns, for each pair of rows, the block's [`NR`] pairs side by side
-/// (columns past `n` and an odd last row are zeros).
+/// (columns past `n`, an odd last row and the pairs up to a multiple of 16, an AMX tile's
+/// depth, are zeros).
 #[derive(Default)]
 pub(crate) struct PackedB {
     data: Vec<u32>,
@@ -63,13 +83,13 @@ impl PackedB {
 
     /// Packs a new matrix into this one's buffer.
     pub(crate) fn refill(&mut self, k: usize, n: usize, value: impl Fn(usize, usize) -> f32) {
-        let pairs = k.div_ceil(2);
-        self.data.clear();
-        self.data.resize(n.div_ceil(NR) * pairs * NR, 0);
         (self.k, self.n) = (k, n);
-        for (block, chunk) in self.data.chunks_exact_mut(pairs * NR).enumerate() {
+        let (pairs, padded) = (self.pairs(), self.padded_pairs());
+        self.data.clear();
+        self.data.resize(n.div_ceil(NR) * padded * NR, 0);
+        for (block, chunk) in self.data.chunks_exact_mut(padded * NR).enumerate() {
             let cols = (n - block * NR).min(NR);
-            for (p, dst) in chunk.chunks_exact_mut(NR).enumerate() {
+            for (p, dst) in chunk.chunks_exact_mut(NR).take(pairs).enumerate() {
                 for (c, d) in dst[..cols].iter_mut().enumerate() {
                     let j = block * NR + c;
                     let hi = if 2 * p + 1 < k { value(2 * p + 1, j) } else { 0.0 };
@@ -89,9 +109,14 @@ impl PackedB {
         self.k.div_ceil(2)
     }
 
+    /// [`PackedB::pairs`] rounded up to a multiple of 16: the rows a column block holds.
+    fn padded_pairs(&self) -> usize {
+        self.pairs().div_ceil(16) * 16
+    }
+
     /// Column block `block`.
     fn block(&self, block: usize) -> &[u32] {
-        let len = self.pairs() * NR;
+        let len = self.padded_pairs() * NR;
         &self.data[block * len..(block + 1) * len]
     }
 }
@@ -104,8 +129,21 @@ impl PackedB {
 /// The CPU runs AVX-512F and AVX-512 BF16 ([`available`]); `out` has `rows` rows, `ldc` apart,
 /// of at least `c1` writable values.
 pub(crate) unsafe fn products(a: &[u32], rows: usize, b: &PackedB, c0: usize, c1: usize, bias: Option<&[f32]>, out: *mut f32, ldc: usize) {
+    debug_assert!(a.len() >= rows * b.pairs() && c0 % NR == 0 && c1 <= b.n);
+    #[cfg(target_arch = "x86_64")]
+    if amx::available() {
+        return amx::products(a, rows, b, c0, c1, bias, out, ldc);
+    }
+    avx512_products(a, rows, b, c0, c1, bias, out, ldc)
+}
+
+/// [`products`] with the AVX-512 kernel.
+///
+/// # Safety
+/// As [`products`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn avx512_products(a: &[u32], rows: usize, b: &PackedB, c0: usize, c1: usize, bias: Option<&[f32]>, out: *mut f32, ldc: usize) {
     let pairs = b.pairs();
-    debug_assert!(a.len() >= rows * pairs && c0 % NR == 0 && c1 <= b.n);
     for c in (c0..c1).step_by(NR) {
         let cols = (c1 - c).min(NR);
         let block = b.block(c / NR);
@@ -392,6 +430,48 @@ mod tests {
                     assert_eq!(got[r][j].to_bits(), alone[j].to_bits(), "row {r} of {rows}, column {j}: batched vs alone");
                     let exact: f64 = (0..d_in).map(|i| round(x[r * d_in + i]) * round(w[j * d_in + i])).sum::<f64>() + f64::from(bias[j]);
                     assert!((f64::from(got[r][j]) - exact).abs() < 1e-4 * (1.0 + exact.abs()), "row {r}, column {j}: {} vs {exact}", got[r][j]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod amx_tests {
+    use super::*;
+
+    /// Where the CPU has AMX: the tiles against the AVX-512 kernel on odd shapes (rows around a
+    /// tile's 16 and a block's 32, an odd `k` that is no multiple of a tile's depth, a column
+    /// range that starts past 0 and ends inside a block, output rows wider than the range).
+    #[test]
+    fn amx_products_match_the_avx512_kernel() {
+        if skip_without_bf16() {
+            return;
+        }
+        if !amx::available() {
+            eprintln!("skipped: this CPU has no AMX");
+            return;
+        }
+        let (k, n, ldc) = (77usize, 293usize, 300usize);
+        let b = PackedB::new(k, n, |i, j| ((i * 31 + j * 7) % 41) as f32 / 20.0 - 1.0);
+        let bias: Vec<f32> = (0..n).map(|j| j as f32 / 50.0).collect();
+        for rows in [1usize, 15, 16, 17, 32, 33, 70] {
+            let a = to_bf16_pairs(&test_values(rows * k, rows), rows, k);
+            for (c0, c1, bias) in [(0, n, Some(bias.as_slice())), (64, 250, None)] {
+                let (mut tiles, mut avx) = (vec![f32::NAN; rows * ldc], vec![f32::NAN; rows * ldc]);
+                // SAFETY: both kernels' features were found; `rows` rows of `ldc >= n` values.
+                unsafe {
+                    amx::products(&a, rows, &b, c0, c1, bias, tiles.as_mut_ptr(), ldc);
+                    avx512_products(&a, rows, &b, c0, c1, bias, avx.as_mut_ptr(), ldc);
+                }
+                for (i, (t, v)) in tiles.iter().zip(&avx).enumerate() {
+                    let (r, c) = (i / ldc, i % ldc);
+                    if (c0..c1).contains(&c) {
+                        // Sums of 77 products within 1 in another order.
+                        assert!((t - v).abs() < 1e-4, "{rows} rows, row {r}, column {c}: {t} vs {v}");
+                    } else {
+                        assert!(t.is_nan(), "{rows} rows: column {c} is outside {c0}..{c1} but was written");
+                    }
                 }
             }
         }
