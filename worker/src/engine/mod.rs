@@ -621,3 +621,76 @@ impl Thread {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    fn models_dir() -> PathBuf {
+        match std::env::var_os("TERN_MODELS_DIR") {
+            Some(dir) => PathBuf::from(dir),
+            None => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/tern/models"),
+        }
+    }
+
+    /// Six clips always in flight (each answered one is sent again) keep a continuous
+    /// transcription batch running for as long as the loop goes on. A model swap must still
+    /// apply once its batch drains, not wait for the load to stop.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_swap_applies_while_a_closed_loop_keeps_a_transcription_batch_running() {
+        let dir = models_dir();
+        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into() };
+        let limits = BatchLimits { windows: Some(4), embed_tokens: None, generate_tokens: 4096 };
+        let engine = Arc::new(Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits));
+        let clip = std::fs::read(dir.join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")).expect("test speech: run scripts/models.sh");
+        let pcm = tern_models::audio::decode_mono_16k(&clip).unwrap();
+        let source = engine.source().clone();
+        let whisper = dir.join("whisper-tiny.en");
+        let loaded = tokio::task::spawn_blocking(move || source.load(Family::Whisper, "tiny-v2", &whisper)).await.unwrap().unwrap();
+
+        let (running, served) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicUsize::new(0)));
+        let models = Arc::new(Mutex::new(Vec::new()));
+        let loops: Vec<_> = (0..6)
+            .map(|_| {
+                let (engine, pcm, running, served, models) = (engine.clone(), pcm.clone(), running.clone(), served.clone(), models.clone());
+                tokio::spawn(async move {
+                    while running.load(Ordering::Relaxed) {
+                        let (progress, _) = tokio_mpsc::unbounded_channel();
+                        let out = engine.transcribe(pcm.clone(), TranscribeOptions::default(), progress, Arc::default()).await;
+                        let text = out.as_ref().map(|o| o.value.text.to_lowercase()).unwrap_or_default();
+                        if !text.contains("young man") {
+                            running.store(false, Ordering::Relaxed);
+                            panic!("{out:?}");
+                        }
+                        models.lock().unwrap().push(out.unwrap().model);
+                        served.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        // Until `n` clips are answered; a loop that fails ends the wait (its panic shows below).
+        let wait_served = |n: usize| {
+            let (served, loops_alive) = (served.clone(), running.clone());
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while served.load(Ordering::Relaxed) < n && loops_alive.load(Ordering::Relaxed) {
+                    assert!(Instant::now() < deadline, "{n} clips not answered within 60 s");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        wait_served(12).await;
+        let installed = tokio::time::timeout(Duration::from_secs(30), engine.install(Family::Whisper, "tiny-v2".into(), loaded)).await;
+        let at_install = served.load(Ordering::Relaxed);
+        wait_served(at_install + 6).await;
+        running.store(false, Ordering::Relaxed);
+        for l in loops {
+            l.await.unwrap();
+        }
+        assert_eq!(installed.expect("the swap waited for the load to stop").unwrap(), "whisper-tiny.en");
+        let models = models.lock().unwrap();
+        assert_eq!(models.last().map(String::as_str), Some("tiny-v2"), "clips after the swap run the new model");
+        assert!(models[..12].iter().all(|m| m == "whisper-tiny.en"));
+    }
+}
