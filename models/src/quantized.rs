@@ -289,6 +289,8 @@ struct Kernel {
     qtype: QType,
     #[cfg(target_arch = "x86_64")]
     avx2: bool,
+    #[cfg(target_arch = "x86_64")]
+    avx512: bool,
 }
 
 impl Kernel {
@@ -297,12 +299,25 @@ impl Kernel {
             qtype,
             #[cfg(target_arch = "x86_64")]
             avx2: x86::available(),
+            #[cfg(target_arch = "x86_64")]
+            avx512: x86_512::available(),
         }
     }
 
     /// Products of `R` weight rows with `T` activation rows: `out[r][t]`.
     #[inline(always)]
     fn tile<const R: usize, const T: usize>(self, ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            // SAFETY: `x86_512::available` found AVX-512 F, BW, VL and VNNI; the rows hold whole
+            // blocks of the same count.
+            unsafe {
+                return match self.qtype {
+                    QType::Q4_0 | QType::Q4_1 => x86_512::tile_q4::<R, T>(ws, xs),
+                    QType::Q8_0 => x86_512::tile_q8_0::<R, T>(ws, xs),
+                };
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         if self.avx2 {
             // SAFETY: `x86::available` found AVX2 and FMA; the rows hold whole blocks of the
@@ -454,6 +469,103 @@ mod x86 {
     }
 }
 
+/// `x86::tile` with 512-bit registers and VNNI's `vpdpbusd` (AVX-512 VNNI: Intel Ice Lake
+/// and later, AMD Zen 4 and later): two 32-value blocks per register, and one instruction for
+/// the byte products and their sums where AVX2 takes two. On a 2-core Xeon with AMX, decoding
+/// SmolLM2 spent ~70% of its time in the AVX2 kernel, and llama.cpp's VNNI kernels decoded at
+/// 178 tokens/s against tern's 117.
+#[cfg(target_arch = "x86_64")]
+mod x86_512 {
+    use super::{ActRow, WeightRow, BLOCK};
+    use std::arch::x86_64::*;
+
+    pub(super) fn available() -> bool {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni"))
+    }
+
+    /// Lanes 0-7 `v[0]`, lanes 8-15 `v[1]`: the two blocks' scales beside their sums.
+    #[inline(always)]
+    unsafe fn pair_scales(v: __m128) -> __m512 {
+        _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(v))
+    }
+
+    /// As [`super::x86::tile`], blocks `b` and `b + 1` in one register (lanes 0-7 and 8-15;
+    /// past the last block, zeros), so each (weight row, activation row) pair runs the same
+    /// instructions in any tile shape and a row's products do not depend on its neighbours.
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const T: usize, const Q8: bool>(ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
+        let blocks = xs[0].d.len();
+        let low = _mm512_set1_epi8(0x0f);
+        // Low nibbles of block b, its high nibbles, then block b + 1's (64-bit lanes).
+        let nibble_order = _mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0);
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let mut b = 0;
+        while b < blocks {
+            let two = blocks - b >= 2;
+            let (block_mask, packed_mask, scale_mask): (u64, u32, u8) = if two { (u64::MAX, u32::MAX, 0b11) } else { (u32::MAX as u64, 0xffff, 0b01) };
+            let mut x = [_mm512_setzero_si512(); T];
+            let mut xd = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                x[t] = _mm512_maskz_loadu_epi8(block_mask, xs[t].qs.as_ptr().add(b) as *const i8);
+                xd[t] = pair_scales(_mm_maskz_loadu_ps(scale_mask, xs[t].d.as_ptr().add(b)));
+            }
+            for r in 0..R {
+                let w = &ws[r];
+                let q = if Q8 {
+                    _mm512_maskz_loadu_epi8(block_mask, w.packed.as_ptr().add(b * BLOCK) as *const i8)
+                } else {
+                    let packed = _mm256_maskz_loadu_epi8(packed_mask, w.packed.as_ptr().add(b * 16) as *const i8);
+                    let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(packed), _mm256_srli_epi16::<4>(packed));
+                    _mm512_and_si512(_mm512_permutexvar_epi64(nibble_order, both), low)
+                };
+                let wd = pair_scales(_mm_maskz_loadu_ps(scale_mask, w.scales.as_ptr().add(b)));
+                for t in 0..T {
+                    let dot = if Q8 {
+                        // Unsigned |w| times x with w's sign (activations lie within ±127).
+                        let negative = _mm512_movepi8_mask(q);
+                        let v = _mm512_mask_sub_epi8(x[t], negative, _mm512_setzero_si512(), x[t]);
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), v)
+                    } else {
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x[t])
+                    };
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(wd, xd[t]), _mm512_cvtepi32_ps(dot), acc[r][t]);
+                }
+            }
+            b += 2;
+        }
+        let mut out = [[0f32; T]; R];
+        for r in 0..R {
+            for t in 0..T {
+                let offsets = if Q8 { 0.0 } else { offset_sum(ws[r].offsets, xs[t].s) };
+                out[r][t] = _mm512_reduce_add_ps(acc[r][t]) + offsets;
+            }
+        }
+        out
+    }
+
+    /// `Σ_b offsets[b] sums[b]` in sixteen lanes.
+    #[inline(always)]
+    unsafe fn offset_sum(offsets: &[f32], sums: &[f32]) -> f32 {
+        let mut acc = _mm512_setzero_ps();
+        for b in (0..offsets.len()).step_by(16) {
+            let mask = if offsets.len() - b >= 16 { 0xffff } else { ((1u32 << (offsets.len() - b)) - 1) as u16 };
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, offsets.as_ptr().add(b)), _mm512_maskz_loadu_ps(mask, sums.as_ptr().add(b)), acc);
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile_q4<const R: usize, const T: usize>(ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
+        tile::<R, T, false>(ws, xs)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile_q8_0<const R: usize, const T: usize>(ws: [WeightRow<'_>; R], xs: [ActRow<'_>; T]) -> [[f32; T]; R] {
+        tile::<R, T, true>(ws, xs)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -496,6 +608,13 @@ mod tests {
                 xq.quantize(&x, cols);
                 let mut out = vec![0f32; m * w.rows()];
                 w.matmul(&xq, &mut out);
+                // Each row's products are the same alone as among others, to the bit.
+                let last = m - 1;
+                let mut alone = QuantizedRows::default();
+                alone.quantize(&x[last * cols..], cols);
+                let mut out_alone = vec![0f32; w.rows()];
+                w.matmul(&alone, &mut out_alone);
+                assert_eq!(out_alone, out[last * w.rows()..], "{qtype:?} m={m}: the last row alone");
                 let mut row = vec![0f32; cols];
                 for r in 0..w.rows() {
                     w.dequantize_row(r, &mut row);
