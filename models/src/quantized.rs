@@ -472,8 +472,8 @@ mod x86 {
 /// `x86::tile` with 512-bit registers and VNNI's `vpdpbusd` (AVX-512 VNNI: Intel Ice Lake
 /// and later, AMD Zen 4 and later): two 32-value blocks per register, and one instruction for
 /// the byte products and their sums where AVX2 takes two. On a 2-core Xeon with AMX, decoding
-/// SmolLM2 spent ~70% of its time in the AVX2 kernel, and llama.cpp's VNNI kernels decoded at
-/// 178 tokens/s against tern's 117.
+/// SmolLM2 spent ~70% of its time in the AVX2 kernel; this one took it from 117 to 135-137
+/// tokens/s (docs/benchmarks.md, eighth round).
 #[cfg(target_arch = "x86_64")]
 mod x86_512 {
     use super::{ActRow, WeightRow, BLOCK};

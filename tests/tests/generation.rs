@@ -125,7 +125,7 @@ async fn partial_text_shows_while_generating_and_oversized_requests_fail_cleanly
 async fn a_short_job_submitted_while_a_long_one_decodes_joins_it_and_finishes_first() {
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "generate"), ("TERN_LOG", "info")]).unwrap();
-    let long = json!({"kind": "generate", "input": {"prompt": "Here is a long list of fruits, one per line:\n", "temperature": 0, "max_tokens": 300}});
+    let long = json!({"kind": "generate", "input": {"prompt": "Counting up by one: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0, "max_tokens": 300}});
     let long_id = cluster.submit_all(&[long]).await.unwrap()[0];
     // Wait until it decodes.
     let started = Instant::now();

@@ -265,7 +265,7 @@ async fn progress_events_come_when_asked_for_at_most_one_a_second() {
     let ids = cluster
         .submit_all(&[json!({
             "kind": "generate",
-            "input": {"prompt": "Here is a long list of fruits, one per line:\n", "temperature": 0, "max_tokens": 200},
+            "input": {"prompt": "Counting up by one: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0, "max_tokens": 200},
             "webhook": {"url": url, "events": ["job.progress", "job.succeeded"]}
         })])
         .await
