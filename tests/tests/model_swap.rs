@@ -49,8 +49,11 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let job = |n: usize| json!({"kind": "embed", "input": {"texts": [format!("steady load, job {n}")]}});
-    submit_until(cluster, job, ids, what, timeout, check).await
+    submit_until(cluster, embed_job, ids, what, timeout, check).await
+}
+
+fn embed_job(n: usize) -> Value {
+    json!({"kind": "embed", "input": {"texts": [format!("steady load, job {n}")]}})
 }
 
 /// Submits `job(n)` every 40 ms until `check` holds (asked every 200 ms).
@@ -109,6 +112,33 @@ async fn model_of_last(cluster: &Cluster, ids: &[Uuid]) -> String {
     output["model"].as_str().unwrap().to_string()
 }
 
+/// Under a stream of `job`s: waits until `default` serves them, registers `model` for `kind`,
+/// waits until it is active on worker1, and checks that the jobs after it ran on it and that
+/// jobs kept running during its load. Returns the version's id and the jobs submitted by the
+/// time it was active.
+async fn warm_then_swap_in(cluster: &Cluster, job: impl Fn(usize) -> Value + Copy, ids: &mut Vec<Uuid>, default: &str, kind: &str, model: &str) -> (String, usize) {
+    submit_until(cluster, job, ids, "one job", Duration::from_secs(10), || async { true }).await;
+    let first = ids[0];
+    submit_until(cluster, job, ids, "the first jobs", Duration::from_secs(60), || async {
+        cluster.state_of(first).await.unwrap() == "succeeded"
+    })
+    .await;
+    assert_eq!(model_of_last(cluster, ids).await, default);
+
+    let id = register_kind(cluster, kind, model).await;
+    submit_until(cluster, job, ids, &format!("{model} to be active on worker1"), Duration::from_secs(60), || async {
+        let v = version(cluster, &id).await;
+        v["state"] == "active" && on_worker1(&v) == Some("active")
+    })
+    .await;
+    let swapped_at = ids.len();
+    submit_until(cluster, job, ids, "a few more jobs", Duration::from_secs(10), || async { true }).await;
+    assert_eq!(model_of_last(cluster, ids).await, model, "jobs after the swap run the new version");
+    let v = version(cluster, &id).await;
+    assert!(v["workers"][0]["batches_during_load"].as_i64().unwrap() > 0, "batches kept running on the old model during the load: {v}");
+    (id, swapped_at)
+}
+
 #[tokio::test]
 async fn a_new_version_swaps_in_under_load_a_broken_one_is_refused_and_rollback_restores_the_previous() {
     let root = tempfile::tempdir().unwrap();
@@ -118,29 +148,10 @@ async fn a_new_version_swaps_in_under_load_a_broken_one_is_refused_and_rollback_
     let _worker = cluster.spawn_worker(&[("TERN_MODELS_DIR", &models), ("TERN_WORKER_KINDS", "embed")]).unwrap();
     let mut ids = Vec::new();
 
-    // Warm: the configured model serves.
-    load_until(&cluster, &mut ids, "one job", Duration::from_secs(10), || async { true }).await;
-    let first = ids[0];
-    load_until(&cluster, &mut ids, "the first jobs", Duration::from_secs(60), || async {
-        cluster.state_of(first).await.unwrap() == "succeeded"
-    })
-    .await;
-    assert_eq!(model_of_last(&cluster, &ids).await, DEFAULT);
-
-    // A new version swaps in while jobs keep coming.
-    let v2 = register(&cluster, "minilm-v2").await;
-    load_until(&cluster, &mut ids, "minilm-v2 to be active on worker1", Duration::from_secs(60), || async {
-        let v = version(&cluster, &v2).await;
-        v["state"] == "active" && on_worker1(&v) == Some("active")
-    })
-    .await;
-    let swapped_at = ids.len();
-    load_until(&cluster, &mut ids, "a few more jobs", Duration::from_secs(10), || async { true }).await;
-    assert_eq!(model_of_last(&cluster, &ids).await, "minilm-v2", "jobs after the swap run the new version");
+    // Warm on the configured model, then a new version swaps in while jobs keep coming.
+    let (v2, swapped_at) = warm_then_swap_in(&cluster, embed_job, &mut ids, DEFAULT, "embed", "minilm-v2").await;
     let v = version(&cluster, &v2).await;
-    let row = &v["workers"][0];
-    assert!(row["batches_during_load"].as_i64().unwrap() > 0, "batches kept running on the old model during the load: {v}");
-    assert!(row["load_ms"].as_i64().unwrap() > 0, "{v}");
+    assert!(v["workers"][0]["load_ms"].as_i64().unwrap() > 0, "{v}");
 
     // A broken version fails its health check; minilm-v2 stays active and serving.
     let broken = register(&cluster, "minilm-broken").await;
@@ -228,25 +239,7 @@ async fn a_transcription_model_swaps_in_under_a_steady_stream_of_clips() {
     let job = |_: usize| json!({"kind": "transcribe", "input": {"audio": {"base64": audio}}});
     let mut ids = Vec::new();
 
-    submit_until(&cluster, job, &mut ids, "one job", Duration::from_secs(10), || async { true }).await;
-    let first = ids[0];
-    submit_until(&cluster, job, &mut ids, "the first transcripts", Duration::from_secs(60), || async {
-        cluster.state_of(first).await.unwrap() == "succeeded"
-    })
-    .await;
-    assert_eq!(model_of_last(&cluster, &ids).await, WHISPER);
-
-    let v2 = register_kind(&cluster, "transcribe", "whisper-v2").await;
-    submit_until(&cluster, job, &mut ids, "whisper-v2 to be active on worker1", Duration::from_secs(60), || async {
-        let v = version(&cluster, &v2).await;
-        v["state"] == "active" && on_worker1(&v) == Some("active")
-    })
-    .await;
-    let swapped_at = ids.len();
-    submit_until(&cluster, job, &mut ids, "a few more jobs", Duration::from_secs(10), || async { true }).await;
-    assert_eq!(model_of_last(&cluster, &ids).await, "whisper-v2", "clips after the swap run the new version");
-    let v = version(&cluster, &v2).await;
-    assert!(v["workers"][0]["batches_during_load"].as_i64().unwrap() > 0, "clips kept being transcribed during the load: {v}");
+    let (_, swapped_at) = warm_then_swap_in(&cluster, job, &mut ids, WHISPER, "transcribe", "whisper-v2").await;
     let counts = cluster.wait_terminal(&ids, Duration::from_secs(60)).await.unwrap();
     assert_eq!(counts.get("succeeded").copied(), Some(ids.len() as i64), "{counts:?}");
     assert!(ids.len() > swapped_at);

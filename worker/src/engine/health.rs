@@ -49,14 +49,15 @@ pub fn check(model: &mut Model) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     //! The checks against the real default models (`TERN_MODELS_DIR`, filled by
     //! scripts/models.sh): each must pass, or no swap to them could ever succeed.
     use super::*;
     use candle_core::Device;
     use std::path::PathBuf;
 
-    fn models_dir() -> PathBuf {
+    /// `TERN_MODELS_DIR`, else `~/.cache/tern/models`: the engine's tests load from here too.
+    pub(crate) fn models_dir() -> PathBuf {
         std::env::var_os("TERN_MODELS_DIR")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/tern/models"))

@@ -624,15 +624,9 @@ impl Thread {
 
 #[cfg(test)]
 mod tests {
+    use super::health::tests::models_dir;
     use super::*;
     use std::sync::atomic::AtomicUsize;
-
-    fn models_dir() -> PathBuf {
-        match std::env::var_os("TERN_MODELS_DIR") {
-            Some(dir) => PathBuf::from(dir),
-            None => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/tern/models"),
-        }
-    }
 
     /// Six clips always in flight (each answered one is sent again) keep a continuous
     /// transcription batch running for as long as the loop goes on. A model swap must still
