@@ -113,8 +113,7 @@ async fn model_of_last(cluster: &Cluster, ids: &[Uuid]) -> String {
 }
 
 /// Under a stream of `job`s: waits until `default` serves them, registers `model` for `kind`,
-/// waits until it is active on worker1, and checks that the jobs after it ran on it and that
-/// jobs kept running during its load. Returns the version's id and the jobs submitted by the
+/// waits until it is active on worker1, and checks that the jobs after it ran on it. Returns the version's id and the jobs submitted by the
 /// time it was active.
 async fn warm_then_swap_in(cluster: &Cluster, job: impl Fn(usize) -> Value + Copy, ids: &mut Vec<Uuid>, default: &str, kind: &str, model: &str) -> (String, usize) {
     submit_until(cluster, job, ids, "one job", Duration::from_secs(10), || async { true }).await;
@@ -134,8 +133,6 @@ async fn warm_then_swap_in(cluster: &Cluster, job: impl Fn(usize) -> Value + Cop
     let swapped_at = ids.len();
     submit_until(cluster, job, ids, "a few more jobs", Duration::from_secs(10), || async { true }).await;
     assert_eq!(model_of_last(cluster, ids).await, model, "jobs after the swap run the new version");
-    let v = version(cluster, &id).await;
-    assert!(v["workers"][0]["batches_during_load"].as_i64().unwrap() > 0, "batches kept running on the old model during the load: {v}");
     (id, swapped_at)
 }
 
@@ -151,6 +148,9 @@ async fn a_new_version_swaps_in_under_load_a_broken_one_is_refused_and_rollback_
     // Warm on the configured model, then a new version swaps in while jobs keep coming.
     let (v2, swapped_at) = warm_then_swap_in(&cluster, embed_job, &mut ids, DEFAULT, "embed", "minilm-v2").await;
     let v = version(&cluster, &v2).await;
+    // Embedding batches are short, so several start during the load. (A continuous
+    // transcription batch may span the whole load, so the transcription test cannot ask this.)
+    assert!(v["workers"][0]["batches_during_load"].as_i64().unwrap() > 0, "batches kept running on the old model during the load: {v}");
     assert!(v["workers"][0]["load_ms"].as_i64().unwrap() > 0, "{v}");
 
     // A broken version fails its health check; minilm-v2 stays active and serving.
