@@ -611,7 +611,7 @@ impl Decoder {
 
         // MLP.
         let h = layer.mlp_ln.forward(&x)?;
-        let h = layer.fc2.forward(&layer.fc1.forward(&h)?.gelu()?)?;
+        let h = layer.fc2.forward(&crate::cpu_ops::gelu(&layer.fc1.forward(&h)?, crate::cpu_ops::Gelu::Tanh)?)?;
         x = (x + h)?;
         Ok(x)
     }

@@ -98,6 +98,18 @@ pub(crate) fn log_mel(samples: &[f32], filters: &[f32], n_mels: usize) -> Vec<f3
     let mut spectrum = fft.make_output_vec();
     let mut scratch = fft.make_scratch_vec();
     let mut power = vec![0f32; n_bins];
+    // Each triangle covers a few dozen of the 201 bins: summing only its nonzero span gives the
+    // same sums (the rest adds zeros) at a tiny fraction of the work, which was a twentieth of
+    // a batched transcription's time.
+    let spans: Vec<(usize, usize)> = filters
+        .chunks_exact(n_bins)
+        .take(n_mels)
+        .map(|row| {
+            let first = row.iter().position(|&w| w != 0.0).unwrap_or(0);
+            let last = row.iter().rposition(|&w| w != 0.0).map_or(first, |l| l + 1);
+            (first, last)
+        })
+        .collect();
     // Frames past the audio are silence: log10 of the 1e-10 floor, as for zero padding.
     let mut mel = vec![1e-10f32.log10(); n_mels * n_frames];
     let end = (samples.len() / hop + 1).min(n_frames);
@@ -115,9 +127,9 @@ pub(crate) fn log_mel(samples: &[f32], filters: &[f32], n_mels: usize) -> Vec<f3
             // candle (after whisper.cpp) adds the mirrored bin N-k for k in 1..N/2: double them.
             power[k] = if k >= 1 && k < n_fft / 2 { 2.0 * p } else { p };
         }
-        for j in 0..n_mels {
-            let row = &filters[j * n_bins..(j + 1) * n_bins];
-            let sum: f32 = row.iter().zip(&power).map(|(w, p)| w * p).sum();
+        for (j, &(first, last)) in spans.iter().enumerate() {
+            let row = &filters[j * n_bins + first..j * n_bins + last];
+            let sum: f32 = row.iter().zip(&power[first..last]).map(|(w, p)| w * p).sum();
             mel[j * n_frames + i] = sum.max(1e-10).log10();
         }
     }
