@@ -14,26 +14,39 @@ use crate::cpu_ops::{contiguous_f32, OutPtr};
 /// [`bf16_gemm::available`]), both products take BF16 operands with F32 sums. See
 /// [`SelfAttention`].
 pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, lens: Option<&[usize]>, bf16: bool) -> Result<Tensor> {
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let bf16 = bf16 && bf16_gemm::available();
-    q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads, lens: lens.map(<[usize]>::to_vec), bf16 })
+    let (b, len, _) = q.dims3()?;
+    if let Some(lens) = lens {
+        if lens.len() != b || lens.iter().any(|&n| n == 0 || n > len) {
+            candle_core::bail!("self-attention: lengths {lens:?} for {b} windows of {len}");
+        }
+    }
+    let spans: Vec<(usize, usize)> = (0..b).map(|i| (i * len, lens.map_or(len, |l| l[i]))).collect();
+    self_attention_spans(q, k, v, heads, &spans, bf16)
 }
 
-/// Multi-head softmax attention of `q`, `k`, `v`, each `(batch, len, d_model)` with the heads
-/// side by side in the last dimension, queries already scaled. Window `b` attends over its
-/// first `lens[b]` positions only (all of them without `lens`), so windows of different lengths
-/// padded to the longest come out as they would alone; the padding's rows come out zero. Returns
-/// `(batch, len, d_model)`.
+/// [`self_attention`] over sequences laid end to end: `q`, `k`, `v` are `(rows, heads *
+/// head_dim)` (or any shape whose last dimension is that), and sequence `i` is the `spans[i].1`
+/// rows from row `spans[i].0`. Rows outside every span come out zero.
+pub(crate) fn self_attention_spans(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, spans: &[(usize, usize)], bf16: bool) -> Result<Tensor> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let bf16 = bf16 && bf16_gemm::available();
+    q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads, spans: spans.to_vec(), bf16 })
+}
+
+/// Multi-head softmax attention of `q`, `k`, `v`, rows of `d_model` with the heads side by side,
+/// queries already scaled, over sequences of rows (`spans`: first row, rows). A window padded
+/// to the longest of its batch is a span of its own rows only, so it comes out as it would
+/// alone, and the padding's rows come out zero.
 ///
 /// candle's ops materialise every head's `len x len` scores twice over (products, then
 /// softmax: ~50 MB per layer for 16 short windows) and copy `q`, `k` and `v` into per-head
 /// layouts; the fresh pages and the memory traffic cost about a fifth of Whisper's encoder at
 /// batch 16.
-/// Here each (window, head) pair runs on one core with its scores in a buffer that stays in
+/// Here each (sequence, head) pair runs on one core with its scores in a buffer that stays in
 /// cache, and gemm reads the heads in place through strides.
 struct SelfAttention {
     heads: usize,
-    lens: Option<Vec<usize>>,
+    spans: Vec<(usize, usize)>,
     /// Products in BF16 ([`bf16_head`]).
     bf16: bool,
 }
@@ -82,40 +95,40 @@ impl CustomOp3 for SelfAttention {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (q, k, v) = (contiguous_f32(qs, ql)?, contiguous_f32(ks, kl)?, contiguous_f32(vs, vl)?);
-        let (b, len, d) = ql.shape().dims3()?;
-        if kl.shape() != ql.shape() || vl.shape() != ql.shape() || d % self.heads != 0 {
+        let d = ql.shape().dims().last().copied().unwrap_or(0);
+        if kl.shape() != ql.shape() || vl.shape() != ql.shape() || d == 0 || d % self.heads != 0 {
             candle_core::bail!("self-attention: q {:?}, k {:?}, v {:?}, {} heads", ql.shape(), kl.shape(), vl.shape(), self.heads);
         }
+        let rows = q.len() / d;
+        if self.spans.iter().any(|&(from, n)| n == 0 || from + n > rows) {
+            candle_core::bail!("self-attention: sequences {:?} over {rows} rows", self.spans);
+        }
         let (h, hd) = (self.heads, d / self.heads);
-        let mut out = vec![0f32; b * len * d];
+        let mut out = vec![0f32; q.len()];
         let dst = OutPtr(out.as_mut_ptr());
         let d_s = d as isize;
-        if let Some(lens) = &self.lens {
-            if lens.len() != b || lens.iter().any(|&n| n == 0 || n > len) {
-                candle_core::bail!("self-attention: lengths {lens:?} for {b} windows of {len}");
-            }
-        }
         if self.bf16 {
-            (0..b * h).into_par_iter().for_each_init(Bf16Scratch::default, |scratch, pair| {
-                let n = self.lens.as_ref().map_or(len, |l| l[pair / h]);
-                let base = (pair / h) * len * d + (pair % h) * hd;
-                // SAFETY: `self_attention` checked the CPU; this task alone writes this
+            (0..self.spans.len() * h).into_par_iter().for_each_init(Bf16Scratch::default, |scratch, pair| {
+                let (from, n) = self.spans[pair / h];
+                let base = from * d + (pair % h) * hd;
+                // SAFETY: `self_attention_spans` checked the CPU; this task alone writes this
                 // head's rows of `out`.
                 unsafe { bf16_head(scratch, q, k, v, base, n, hd, d, dst.at(0)) };
             });
             return Ok((CpuStorage::F32(out), ql.shape().clone()));
         }
-        (0..b * h).into_par_iter().for_each_init(
-            || vec![0f32; len * len],
+        let longest = self.spans.iter().map(|&(_, n)| n).max().unwrap_or(0);
+        (0..self.spans.len() * h).into_par_iter().for_each_init(
+            || vec![0f32; longest * longest],
             |scores, pair| {
-                let n = self.lens.as_ref().map_or(len, |l| l[pair / h]);
+                let (from, n) = self.spans[pair / h];
                 let n_s = n as isize;
-                // Head `hi` of window `bi`: rows of `len`, columns `hi * hd ..` with row stride d;
-                // only its first `n` rows take part.
-                let base = (pair / h) * len * d + (pair % h) * hd;
+                // Head `hi` of sequence `si`: `n` rows from row `from`, columns `hi * hd ..`
+                // with row stride d.
+                let base = from * d + (pair % h) * hd;
                 // SAFETY: every pointer and stride stays inside its buffer: q/k/v/out hold
-                // `b * len * d` elements and a head spans rows `0..n <= len` and columns
-                // `base..base + hd` of its window; `scores` holds `len * len >= n * n`.
+                // `rows * d` elements and a head spans rows `from..from + n <= rows` and
+                // columns `hi * hd..(hi + 1) * hd`; `scores` holds `longest² >= n * n`.
                 unsafe {
                     // scores (n x n) = q_head (n x hd) . k_headᵀ (hd x n)
                     gemm::gemm(

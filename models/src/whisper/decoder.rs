@@ -383,21 +383,49 @@ impl Decoder {
     /// [`Decoder::cross_kv`] packed per (layer, row, head) for BF16 products, each row over its
     /// own frames only (so no mask).
     fn cross_kv_bf16(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
-        let (b, total, _) = audio_features.dims3()?;
+        let (b, total, d) = audio_features.dims3()?;
+        let spans: Vec<(usize, usize)> = (0..b).map(|i| (i * total, frames.map_or(total, |f| f[i].min(total)))).collect();
+        self.cross_kv_spans(&audio_features.reshape((b * total, d))?, &spans)
+    }
+
+    /// Whether [`Decoder::cross_kv_ragged`] runs here (the cross-attention is packed per row).
+    pub fn takes_ragged(&self) -> bool {
+        self.logits_bf16.is_some()
+    }
+
+    /// [`Decoder::cross_kv`] of windows encoded end to end (`Encoder::forward_ragged`):
+    /// `audio_features` `(Σ lens, d_model)`, window `i` taking `lens[i]` rows. Only where
+    /// [`Decoder::takes_ragged`].
+    pub fn cross_kv_ragged(&self, audio_features: &Tensor, lens: &[usize]) -> Result<CrossKv> {
+        if !self.takes_ragged() {
+            candle_core::bail!("this decoder's cross-attention takes windows padded to one length");
+        }
+        let mut spans = Vec::with_capacity(lens.len());
+        let mut first = 0;
+        for &n in lens {
+            spans.push((first, n));
+            first += n;
+        }
+        self.cross_kv_spans(audio_features, &spans)
+    }
+
+    /// Packed keys and values of windows whose frames are the rows `spans[i].0..+spans[i].1` of
+    /// `features` `(rows, d_model)`.
+    fn cross_kv_spans(&self, features: &Tensor, spans: &[(usize, usize)]) -> Result<CrossKv> {
         let (h, hd) = (self.n_head, self.head_dim);
+        let d = h * hd;
         let packed = self
             .layers
             .iter()
             .map(|l| {
-                let k = (self.heads(&l.cross_attn.k.forward(audio_features)?)? * self.scale)?.flatten_all()?.to_vec1::<f32>()?;
-                let v = self.heads(&l.cross_attn.v.forward(audio_features)?)?.flatten_all()?.to_vec1::<f32>()?;
-                // Both `(batch, head, frames, head_dim)`.
-                Ok((0..b * h)
+                let k = (l.cross_attn.k.forward(features)? * self.scale)?.flatten_all()?.to_vec1::<f32>()?;
+                let v = l.cross_attn.v.forward(features)?.flatten_all()?.to_vec1::<f32>()?;
+                Ok((0..spans.len() * h)
                     .into_par_iter()
                     .map(|pair| {
-                        let n = frames.map_or(total, |f| f[pair / h].min(total));
-                        let base = pair * total * hd;
-                        Arc::new(PackedHead::new(n, hd, |p, i| k[base + p * hd + i], |p, i| v[base + p * hd + i]))
+                        let (first, n) = spans[pair / h];
+                        let base = first * d + (pair % h) * hd;
+                        Arc::new(PackedHead::new(n, hd, |p, i| k[base + p * d + i], |p, i| v[base + p * d + i]))
                     })
                     .collect())
             })

@@ -18,7 +18,7 @@ use super::LAYER_NORM_EPS;
 use crate::bf16_gemm::{self, Bf16Linear};
 use crate::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
-use crate::self_attention::self_attention;
+use crate::self_attention::{self_attention, self_attention_spans};
 
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
     let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
@@ -49,8 +49,18 @@ impl Bf16Conv {
     /// `x` `(batch, len, c_in)` F32 on the CPU; returns `(batch, (len - 1) / stride + 1, c_out)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, len, c) = x.dims3()?;
-        if c != self.c_in || len == 0 {
-            candle_core::bail!("convolution over {c} channels of {len} positions; it takes {}", self.c_in);
+        let out = self.forward_rows(&x.reshape((b * len, c))?, &vec![len; b])?;
+        out.reshape((b, (len - 1) / self.stride + 1, self.product.d_out()))
+    }
+
+    /// Sequences laid end to end: `x` `(rows, c_in)` holds sequence `i`'s `lens[i]` positions
+    /// after those of the sequences before it, and each sequence is convolved alone (zeros past
+    /// its own ends). Returns `(rows out, c_out)`, sequence `i` taking `(lens[i] - 1) / stride +
+    /// 1` rows.
+    fn forward_rows(&self, x: &Tensor, lens: &[usize]) -> Result<Tensor> {
+        let (rows, c) = x.dims2()?;
+        if c != self.c_in || lens.contains(&0) || lens.iter().sum::<usize>() != rows {
+            candle_core::bail!("convolution over {c} channels of {lens:?} positions in {rows} rows; it takes {}", self.c_in);
         }
         let x = x.contiguous()?;
         let pairs = {
@@ -58,22 +68,28 @@ impl Bf16Conv {
             let candle_core::Storage::Cpu(cpu) = &*storage else {
                 candle_core::bail!("BF16 products run on the CPU");
             };
-            bf16_gemm::to_bf16_pairs(crate::cpu_ops::contiguous_f32(cpu, layout)?, b * len, c)
+            bf16_gemm::to_bf16_pairs(crate::cpu_ops::contiguous_f32(cpu, layout)?, rows, c)
         };
-        let (per_position, out_len) = (c / 2, (len - 1) / self.stride + 1);
-        let mut rows = vec![0u32; b * out_len * 3 * per_position];
-        rows.par_chunks_mut(3 * per_position).enumerate().for_each(|(r, row)| {
-            let (window, t) = (r / out_len, r % out_len);
+        // Each output row's sequence: its first input row, its length and its position in it.
+        let mut sources = Vec::new();
+        let mut first = 0;
+        for &len in lens {
+            sources.extend((0..(len - 1) / self.stride + 1).map(|t| (first, len, t)));
+            first += len;
+        }
+        let per_position = c / 2;
+        let mut gathered = vec![0u32; sources.len() * 3 * per_position];
+        gathered.par_chunks_mut(3 * per_position).zip(sources.par_iter()).for_each(|(row, &(first, len, t))| {
             for (k, dst) in row.chunks_exact_mut(per_position).enumerate() {
-                // Input position `stride t + k - 1`; outside the window it stays zero.
+                // Input position `stride t + k - 1`; outside the sequence it stays zero.
                 if let Some(p) = (t * self.stride + k).checked_sub(1).filter(|&p| p < len) {
-                    let from = (window * len + p) * per_position;
+                    let from = (first + p) * per_position;
                     dst.copy_from_slice(&pairs[from..from + per_position]);
                 }
             }
         });
-        let out = self.product.pair_rows_times(&rows, b * out_len, true);
-        Tensor::from_vec(out, (b, out_len, self.product.d_out()), x.device())
+        let out = self.product.pair_rows_times(&gathered, sources.len(), true);
+        Tensor::from_vec(out, (sources.len(), self.product.d_out()), x.device())
     }
 }
 
@@ -182,6 +198,11 @@ impl Encoder {
         self.positions.device().is_cpu() && self.positions.dtype() == candle_core::DType::F32
     }
 
+    /// Whether [`Encoder::forward_ragged`] runs here: the convolutions take BF16 products.
+    pub fn takes_ragged(&self) -> bool {
+        self.bf16_convs.is_some()
+    }
+
     /// Encodes a log-mel `(batch, n_mels, frames)` (`frames` even, at most 3000) into
     /// `(batch, frames / 2, d_model)`. With `lens` (only where [`Encoder::takes_lengths`]),
     /// window `b` is its first `lens[b]` positions (`2 * lens[b]` mel frames, the rest zeros),
@@ -199,22 +220,68 @@ impl Encoder {
             }
         };
         let (b, len, d) = x.dims3()?;
-        let mut x = x.broadcast_add(&self.positions.narrow(0, 0, len)?)?;
+        let x = x.broadcast_add(&self.positions.narrow(0, 0, len)?)?;
         let (h, hd) = (self.n_head, d / self.n_head);
         let heads = |t: Tensor| t.reshape((b, len, h, hd))?.transpose(1, 2);
+        self.blocks_and_norm(x, |q, k, v| {
+            if self.takes_lengths() {
+                return self_attention(q, k, v, h, lens, self.bf16_products());
+            }
+            if lens.is_some() {
+                candle_core::bail!("this encoder takes windows of one length per batch");
+            }
+            let (q, k_t, v) = (heads(q.clone())?.contiguous()?, heads(k.clone())?.transpose(2, 3)?.contiguous()?, heads(v.clone())?.contiguous()?);
+            let w = candle_nn::ops::softmax_last_dim(&q.matmul(&k_t)?)?;
+            w.matmul(&v)?.transpose(1, 2)?.flatten_from(2)
+        })
+    }
+
+    /// Encodes windows of different lengths without padding any of them (only where
+    /// [`Encoder::takes_ragged`]): `mels[i]` is `(1, n_mels, frames)` (`frames` even, at most
+    /// 3000). Returns the windows' positions end to end, `(Σ frames / 2, d_model)`, and each
+    /// window's positions (`frames / 2`); each window's rows are those it gives alone.
+    ///
+    /// Padding a group of windows to its longest spent up to a fifth of the encoder's products
+    /// on padding, and grouping only windows of similar lengths split a batch into several
+    /// smaller groups.
+    pub fn forward_ragged(&self, mels: &[Tensor]) -> Result<(Tensor, Vec<usize>)> {
+        let Some((conv1, conv2)) = &self.bf16_convs else {
+            candle_core::bail!("this encoder pads windows to one length");
+        };
+        let mut frames = Vec::with_capacity(mels.len());
+        let mut columns = Vec::with_capacity(mels.len());
+        for mel in mels {
+            let (one, _, n) = mel.dims3()?;
+            if one != 1 || n == 0 || n % 2 != 0 || n / 2 > self.positions.dim(0)? {
+                candle_core::bail!("ragged encoding takes one window of an even count of at most 3000 frames per mel, not {:?}", mel.shape());
+            }
+            frames.push(n);
+            columns.push(mel.squeeze(0)?.t()?.to_dtype(self.positions.dtype())?);
+        }
+        let x = gelu(&conv1.forward_rows(&Tensor::cat(&columns, 0)?, &frames)?, Gelu::Tanh)?;
+        drop(columns);
+        let x = gelu(&conv2.forward_rows(&x, &frames)?, Gelu::Tanh)?;
+        let lens: Vec<usize> = frames.iter().map(|&n| n / 2).collect();
+        let index: Vec<u32> = lens.iter().flat_map(|&n| 0..n as u32).collect();
+        let x = (x + self.positions.index_select(&Tensor::new(index.as_slice(), self.positions.device())?, 0)?)?;
+        let mut spans = Vec::with_capacity(lens.len());
+        let mut first = 0;
+        for &n in &lens {
+            spans.push((first, n));
+            first += n;
+        }
+        let h = self.n_head;
+        let encoded = self.blocks_and_norm(x, |q, k, v| self_attention_spans(q, k, v, h, &spans, self.bf16_products()))?;
+        Ok((encoded, lens))
+    }
+
+    /// The blocks and the final layer norm over `x` (positions added), with `attend(q, k, v)`
+    /// the blocks' self-attention.
+    fn blocks_and_norm(&self, mut x: Tensor, attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
         for block in &self.blocks {
             let y = block.attn_ln.forward(&x)?;
             let (q, k, v) = (block.q.forward(&y)?, block.k.forward(&y)?, block.v.forward(&y)?);
-            let o = if self.takes_lengths() {
-                self_attention(&q, &k, &v, h, lens, self.bf16_products())?
-            } else {
-                if lens.is_some() {
-                    candle_core::bail!("this encoder takes windows of one length per batch");
-                }
-                let (q, k_t, v) = (heads(q)?.contiguous()?, heads(k)?.transpose(2, 3)?.contiguous()?, heads(v)?.contiguous()?);
-                let w = candle_nn::ops::softmax_last_dim(&q.matmul(&k_t)?)?;
-                w.matmul(&v)?.transpose(1, 2)?.flatten_from(2)?
-            };
+            let o = attend(&q, &k, &v)?;
             x = (x + block.out.forward(&o)?)?;
             let y = block.mlp_ln.forward(&x)?;
             x = (&x + block.fc2.forward(&gelu(&block.fc1.forward(&y)?, Gelu::Tanh)?)?)?;
@@ -228,6 +295,96 @@ mod tests {
     use super::*;
     use crate::bf16_gemm::test_values as values;
     use candle_core::Device;
+
+    /// A small encoder with made-up weights (BF16 products where the CPU has them).
+    fn small_encoder() -> (Encoder, Config) {
+        let cfg = Config {
+            num_mel_bins: 8,
+            max_source_positions: 64,
+            d_model: 64,
+            encoder_attention_heads: 2,
+            encoder_layers: 2,
+            vocab_size: 16,
+            max_target_positions: 8,
+            decoder_attention_heads: 2,
+            decoder_layers: 1,
+            suppress_tokens: vec![],
+        };
+        let (d, mels) = (cfg.d_model, cfg.num_mel_bins);
+        let mut shapes: Vec<(String, Vec<usize>)> =
+            vec![("conv1.weight".into(), vec![d, mels, 3]), ("conv1.bias".into(), vec![d]), ("conv2.weight".into(), vec![d, d, 3]), ("conv2.bias".into(), vec![d])];
+        for i in 0..cfg.encoder_layers {
+            for (name, shape) in [
+                ("self_attn.q_proj.weight", vec![d, d]),
+                ("self_attn.q_proj.bias", vec![d]),
+                ("self_attn.k_proj.weight", vec![d, d]),
+                ("self_attn.v_proj.weight", vec![d, d]),
+                ("self_attn.v_proj.bias", vec![d]),
+                ("self_attn.out_proj.weight", vec![d, d]),
+                ("self_attn.out_proj.bias", vec![d]),
+                ("self_attn_layer_norm.weight", vec![d]),
+                ("self_attn_layer_norm.bias", vec![d]),
+                ("final_layer_norm.weight", vec![d]),
+                ("final_layer_norm.bias", vec![d]),
+                ("fc1.weight", vec![4 * d, d]),
+                ("fc1.bias", vec![4 * d]),
+                ("fc2.weight", vec![d, 4 * d]),
+                ("fc2.bias", vec![d]),
+            ] {
+                shapes.push((format!("layers.{i}.{name}"), shape));
+            }
+        }
+        shapes.push(("layer_norm.weight".into(), vec![d]));
+        shapes.push(("layer_norm.bias".into(), vec![d]));
+        let tensors = shapes
+            .into_iter()
+            .enumerate()
+            .map(|(seed, (name, shape))| {
+                let n = shape.iter().product();
+                let t = Tensor::from_vec(values(n, seed), shape, &Device::Cpu).unwrap();
+                (name, (t * 0.2).unwrap())
+            })
+            .collect();
+        let vb = VarBuilder::from_tensors(tensors, candle_core::DType::F32, &Device::Cpu);
+        (Encoder::load(vb, &cfg, true).unwrap(), cfg)
+    }
+
+    /// Windows of three lengths end to end give, row for row and to the bit, what each gives
+    /// alone and what the padded batch gives for its real positions.
+    #[test]
+    fn ragged_windows_encode_as_alone_and_as_padded() {
+        if bf16_gemm::skip_without_bf16() {
+            return;
+        }
+        let (encoder, cfg) = small_encoder();
+        assert!(encoder.takes_ragged());
+        let lens = [13usize, 40, 7];
+        let mels: Vec<Tensor> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Tensor::from_vec(values(cfg.num_mel_bins * 2 * n, 100 + i), (1, cfg.num_mel_bins, 2 * n), &Device::Cpu).unwrap())
+            .collect();
+        let (ragged, got_lens) = encoder.forward_ragged(&mels).unwrap();
+        assert_eq!(got_lens, lens);
+        let ragged = ragged.to_vec2::<f32>().unwrap();
+        assert_eq!(ragged.len(), lens.iter().sum::<usize>());
+        let longest = 40;
+        let padded: Vec<Tensor> = mels.iter().zip(&lens).map(|(m, &n)| m.pad_with_zeros(2, 0, 2 * (longest - n)).unwrap()).collect();
+        let padded = encoder.forward(&Tensor::cat(&padded, 0).unwrap(), Some(&lens)).unwrap().to_vec3::<f32>().unwrap();
+        let mut first = 0;
+        for (i, (mel, &n)) in mels.iter().zip(&lens).enumerate() {
+            let alone = encoder.forward(mel, None).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+            for p in 0..n {
+                let row = &ragged[first + p];
+                assert!(row.iter().all(|v| v.is_finite()));
+                assert_eq!(row, &alone[p], "window {i}, position {p}: end to end vs alone");
+                assert_eq!(row, &padded[i][p], "window {i}, position {p}: end to end vs padded");
+            }
+            first += n;
+        }
+        // A window of an odd frame count is refused, not mis-encoded.
+        assert!(encoder.forward_ragged(&[mels[0].narrow(2, 0, 25).unwrap()]).is_err());
+    }
 
     /// Channel counts that cross a 32-column block and lengths odd and even, at both strides.
     #[test]

@@ -781,7 +781,14 @@ impl Whisper {
         // ignores, and the decoder attends to its own frames only.
         let mut crosses: Vec<Option<decoder::CrossKv>> = vec![None; works.len()];
         let mixed = self.encoder.takes_lengths();
-        for rows in encoder_groups(&positions, mixed) {
+        // Where the encoder and the cross-attention take windows end to end, all of them go
+        // through as one group with no padding at all.
+        let groups = if self.encoder.takes_ragged() && self.decoder.takes_ragged() {
+            vec![(0..works.len()).collect()]
+        } else {
+            encoder_groups(&positions, mixed)
+        };
+        for rows in groups {
             let longest = rows.iter().map(|&r| positions[r]).max().unwrap_or(0);
             let (config, filters, device) = (&self.config, &self.filters, &self.device);
             // Each window's spectrogram is a serial FFT loop: one window per core.
@@ -790,14 +797,24 @@ impl Whisper {
                 .map(|&r| {
                     let (start, end) = works[r].range;
                     let pcm = &input_of(inputs, works[r].input).pcm[start..end];
-                    let mel = mel::window_mel(config, filters, pcm, 2 * positions[r], device)?;
-                    Ok(mel.pad_with_zeros(2, 0, 2 * (longest - positions[r]))?)
+                    mel::window_mel(config, filters, pcm, 2 * positions[r], device)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let lens: Vec<usize> = rows.iter().map(|&r| positions[r]).collect();
-            let encoded = self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?, mixed.then_some(lens.as_slice()))?;
-            drop(mels);
-            let cross = self.decoder.cross_kv(&encoded, Some(&lens))?;
+            let cross = if self.encoder.takes_ragged() && self.decoder.takes_ragged() {
+                let (encoded, lens) = self.encoder.forward_ragged(&mels)?;
+                drop(mels);
+                self.decoder.cross_kv_ragged(&encoded, &lens)?
+            } else {
+                let mels = mels
+                    .iter()
+                    .zip(&rows)
+                    .map(|(mel, &r)| mel.pad_with_zeros(2, 0, 2 * (longest - positions[r])))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let lens: Vec<usize> = rows.iter().map(|&r| positions[r]).collect();
+                let encoded = self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?, mixed.then_some(lens.as_slice()))?;
+                drop(mels);
+                self.decoder.cross_kv(&encoded, Some(&lens))?
+            };
             for (k, &r) in rows.iter().enumerate() {
                 crosses[r] = Some(cross.row(k)?);
             }
