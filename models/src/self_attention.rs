@@ -75,8 +75,8 @@ unsafe fn bf16_head(scratch: &mut Bf16Scratch, q: &[f32], k: &[f32], v: &[f32], 
     for (r, dst) in queries.chunks_exact_mut(hd_pairs).enumerate() {
         bf16_gemm::row_to_bf16(&q[base + r * d..base + r * d + hd], dst);
     }
-    keys.refill(hd, n, |i, j| k[base + j * d + i]);
-    values.refill(n, hd, |p, j| v[base + p * d + j]);
+    keys.refill_columns_of(&k[base..], d, hd, n);
+    values.refill_rows_of(&v[base..], d, n, hd);
     bf16_gemm::attention(queries, n, keys, values, scores, weights, out.add(base), d);
 }
 

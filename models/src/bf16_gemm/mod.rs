@@ -99,6 +99,56 @@ impl PackedB {
         }
     }
 
+    /// Packs `B[kk][j] = src[j * stride + kk]` (`k x n`): each column is a row of `src`, as
+    /// attention's keys are. The same values as [`PackedB::refill`], without a call per value:
+    /// each row converts with the vector instruction and its pairs are scattered to their
+    /// column. Only where [`available`].
+    pub(crate) fn refill_columns_of(&mut self, src: &[f32], stride: usize, k: usize, n: usize) {
+        assert!(n == 0 || (n - 1) * stride + k <= src.len(), "{n} rows of {k} values, {stride} apart, in {}", src.len());
+        self.reset(k, n);
+        let (pairs, padded) = (self.pairs(), self.padded_pairs());
+        let mut row = vec![0u32; pairs];
+        for j in 0..n {
+            row_to_bf16(&src[j * stride..j * stride + k], &mut row);
+            let column = &mut self.data[(j / NR) * padded * NR + j % NR..];
+            for (p, &pair) in row.iter().enumerate() {
+                column[p * NR] = pair;
+            }
+        }
+    }
+
+    /// Packs `B[kk][j] = src[kk * stride + j]` (`k x n`): each row is a row of `src`, as
+    /// attention's values are. The same values as [`PackedB::refill`]; only where
+    /// [`available`].
+    pub(crate) fn refill_rows_of(&mut self, src: &[f32], stride: usize, k: usize, n: usize) {
+        assert!(k == 0 || (k - 1) * stride + n <= src.len(), "{k} rows of {n} values, {stride} apart, in {}", src.len());
+        self.reset(k, n);
+        let padded = self.padded_pairs();
+        let (mut lo, mut hi) = (vec![0u16; n], vec![0u16; n]);
+        for p in 0..self.pairs() {
+            row_to_bf16_halves(&src[2 * p * stride..2 * p * stride + n], &mut lo);
+            if 2 * p + 1 < k {
+                row_to_bf16_halves(&src[(2 * p + 1) * stride..(2 * p + 1) * stride + n], &mut hi);
+            } else {
+                hi.fill(0);
+            }
+            for (block, (lo, hi)) in lo.chunks(NR).zip(hi.chunks(NR)).enumerate() {
+                let dst = &mut self.data[block * padded * NR + p * NR..][..lo.len()];
+                for ((d, &l), &h) in dst.iter_mut().zip(lo).zip(hi) {
+                    *d = u32::from(l) | (u32::from(h) << 16);
+                }
+            }
+        }
+    }
+
+    /// Sizes this matrix to `k x n`, all zeros.
+    fn reset(&mut self, k: usize, n: usize) {
+        (self.k, self.n) = (k, n);
+        let len = n.div_ceil(NR) * self.padded_pairs() * NR;
+        self.data.clear();
+        self.data.resize(len, 0);
+    }
+
     /// Number of columns.
     pub(crate) fn cols(&self) -> usize {
         self.n
@@ -277,6 +327,17 @@ pub(crate) fn row_to_bf16(src: &[f32], dst: &mut [u32]) {
     }
 }
 
+/// `dst[i]` = the BF16 bits of `src[i]`, rounded as [`row_to_bf16`] rounds. Only where
+/// [`available`].
+pub(crate) fn row_to_bf16_halves(src: &[f32], dst: &mut [u16]) {
+    assert!(available() && dst.len() >= src.len(), "BF16 conversion of {} values into {}", src.len(), dst.len());
+    // SAFETY: checked above that the CPU has the instructions and `dst` the room.
+    let done = unsafe { kernel::to_bf16_halves(src, dst) };
+    for (d, &x) in dst[done..src.len()].iter_mut().zip(&src[done..]) {
+        *d = bf16_bits(x);
+    }
+}
+
 /// `x` rounded to BF16 as the vector conversion rounds it.
 fn bf16_bits(x: f32) -> u16 {
     let bits = x.to_bits();
@@ -317,6 +378,18 @@ mod kernel {
     ///
     /// # Safety
     /// The CPU runs AVX-512F and AVX-512 BF16; `out` has `n` rows of `cols` writable values.
+    /// `dst[i]` = BF16 bits of `src[i]` for the whole 16-value groups; returns how many.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn to_bf16_halves(src: &[f32], dst: &mut [u16]) -> usize {
+        let n = src.len() / 16 * 16;
+        debug_assert!(dst.len() >= n);
+        for i in (0..n).step_by(16) {
+            let v: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr().add(i))));
+            _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), v);
+        }
+        n
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn run(n: usize, a: &[u32], pairs: usize, b: &[u32], out: *mut f32, ldc: usize, cols: usize, bias: Option<&[f32]>) {
         macro_rules! rows {
@@ -379,6 +452,10 @@ mod kernel {
     }
 
     /// Never called: [`super::available`] is false off x86-64.
+    pub(super) unsafe fn to_bf16_halves(_: &[f32], _: &mut [u16]) -> usize {
+        unreachable!("BF16 products need x86-64")
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn run(_: usize, _: &[u32], _: usize, _: &[u32], _: *mut f32, _: usize, _: usize, _: Option<&[f32]>) {
         unreachable!("BF16 products need x86-64")
@@ -410,6 +487,28 @@ mod tests {
 
     /// Odd sizes: a last column block of 5, an odd input width, and row counts around the
     /// kernel's 12 and the task's 96.
+    /// The packers from rows give the very bits of the per-value one, odd sizes and a stride
+    /// wider than a row included, and reusing a matrix leaves nothing of its last contents.
+    #[test]
+    fn packing_from_rows_matches_packing_value_by_value() {
+        if skip_without_bf16() {
+            return;
+        }
+        let stride = 70usize;
+        let src = test_values(80 * stride, 5);
+        let mut columns = PackedB::new(3, 50, |_, _| 1.0);
+        let mut rows = PackedB::new(60, 40, |_, _| 1.0);
+        for (k, n) in [(64usize, 37usize), (7, 33), (64, 1), (17, 64)] {
+            columns.refill_columns_of(&src, stride, k, n);
+            let want = PackedB::new(k, n, |kk, j| src[j * stride + kk]);
+            assert_eq!((columns.k, columns.n), (want.k, want.n));
+            assert_eq!(columns.data, want.data, "columns of {k} x {n}");
+            rows.refill_rows_of(&src, stride, k, n);
+            let want = PackedB::new(k, n, |kk, j| src[kk * stride + j]);
+            assert_eq!(rows.data, want.data, "rows of {k} x {n}");
+        }
+    }
+
     #[test]
     fn bf16_products_match_f64_sums_of_the_rounded_values_and_rows_do_not_depend_on_their_batch() {
         if skip_without_bf16() {

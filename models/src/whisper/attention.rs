@@ -93,10 +93,13 @@ pub(crate) struct PackedHead {
 }
 
 impl PackedHead {
-    /// Packs `frames` rows of `head_dim` keys (already scaled) and values; `key(p, i)` and
-    /// `value(p, i)` give value `i` of frame `p`.
-    pub(crate) fn new(frames: usize, head_dim: usize, key: impl Fn(usize, usize) -> f32, value: impl Fn(usize, usize) -> f32) -> PackedHead {
-        PackedHead { keys: PackedB::new(head_dim, frames, |i, p| key(p, i)), values: PackedB::new(frames, head_dim, value) }
+    /// Packs `frames` rows of `head_dim` keys (already scaled) and values: frame `p`'s are
+    /// `keys[p * stride..][..head_dim]` and `values[p * stride..][..head_dim]`.
+    pub(crate) fn new(frames: usize, head_dim: usize, keys: &[f32], values: &[f32], stride: usize) -> PackedHead {
+        let mut packed = PackedHead { keys: PackedB::default(), values: PackedB::default() };
+        packed.keys.refill_columns_of(keys, stride, head_dim, frames);
+        packed.values.refill_rows_of(values, stride, frames, head_dim);
+        packed
     }
 }
 
@@ -147,7 +150,7 @@ mod tests {
         let packed: Vec<Arc<PackedHead>> = (0..batch * h)
             .map(|pair| {
                 let base = pair * frames * hd;
-                Arc::new(PackedHead::new(lens[pair / h], hd, |p, i| k[base + p * hd + i], |p, i| v[base + p * hd + i]))
+                Arc::new(PackedHead::new(lens[pair / h], hd, &k[base..], &v[base..], hd))
             })
             .collect();
         // `(batch, head, head_dim, frames)` for the F32 kernel.

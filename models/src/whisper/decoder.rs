@@ -425,7 +425,7 @@ impl Decoder {
                     .map(|pair| {
                         let (first, n) = spans[pair / h];
                         let base = first * d + (pair % h) * hd;
-                        Arc::new(PackedHead::new(n, hd, |p, i| k[base + p * d + i], |p, i| v[base + p * d + i]))
+                        Arc::new(PackedHead::new(n, hd, &k[base..], &v[base..], d))
                     })
                     .collect())
             })
