@@ -140,6 +140,25 @@ fn add_layer_norm_generic(dst: &mut [f32], y: &[f32], residual: &[f32], params: 
 }
 
 #[inline(always)]
+fn layer_norm_generic(dst: &mut [f32], x: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    let n = x.len();
+    let mean = sum_of(x) / n as f32;
+    let mut acc = [0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|v| (v - mean) * (v - mean)).sum();
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] += (c[i] - mean) * (c[i] - mean);
+        }
+    }
+    let var = (tail + acc.iter().sum::<f32>()) / n as f32;
+    let inv = 1.0 / (var + eps).sqrt();
+    for (((d, &v), &g), &b) in dst.iter_mut().zip(x).zip(gamma).zip(beta) {
+        *d = (v - mean) * inv * g + b;
+    }
+}
+
+#[inline(always)]
 fn softmax_in_place_generic(xs: &mut [f32]) {
     let max = max_of(xs);
     for x in xs.iter_mut() {
@@ -262,6 +281,11 @@ dispatched!(
     /// One row of a post-norm residual: `dst = layer_norm(y + residual + bias) * gamma + beta`,
     /// `params` holding `bias`, `gamma` and `beta` one after another (each as long as `dst`).
     add_layer_norm(dst: &mut [f32], y: &[f32], residual: &[f32], params: &[f32], eps: f32) = add_layer_norm_generic
+);
+dispatched!(
+    /// One row of a layer norm: `dst = (x - mean) / sqrt(var + eps) * gamma + beta`, all as
+    /// long as `x`.
+    layer_norm(dst: &mut [f32], x: &[f32], gamma: &[f32], beta: &[f32], eps: f32) = layer_norm_generic
 );
 dispatched!(
     /// `xs = softmax(xs)`.

@@ -20,16 +20,25 @@ pub(crate) fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Re
 
 /// An output buffer's base pointer, shared by parallel tasks that each write their own
 /// disjoint part of it.
-pub(crate) struct OutPtr(pub(crate) *mut f32);
+pub(crate) struct OutPtr<T = f32>(pub(crate) *mut T);
 // SAFETY: each task writes only its own part of the buffer, which outlives the tasks.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
-impl OutPtr {
+impl<T> OutPtr<T> {
     /// The element `offset` places past the base.
-    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
+    pub(crate) fn at(&self, offset: usize) -> *mut T {
         // SAFETY: callers pass offsets inside the buffer.
         unsafe { self.0.add(offset) }
+    }
+
+    /// The `len` elements from `offset`, for the one task that writes them.
+    ///
+    /// # Safety
+    /// They lie inside the buffer, and no other task reads or writes them meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice(&self, offset: usize, len: usize) -> &mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(offset), len)
     }
 }
 

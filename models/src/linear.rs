@@ -53,6 +53,14 @@ impl Linear {
         }
     }
 
+    /// The BF16-packed weights, after [`Linear::in_bf16`] found the CPU's features.
+    pub(crate) fn packed(&self) -> Option<&Bf16Linear> {
+        match &self.weight {
+            Weight::F32(_) => None,
+            Weight::Bf16(packed) => Some(packed),
+        }
+    }
+
     /// The bias `(d_out)`, if any.
     pub(crate) fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()

@@ -80,6 +80,23 @@ unsafe fn bf16_head(scratch: &mut Bf16Scratch, q: &[f32], k: &[f32], v: &[f32], 
     bf16_gemm::attention(queries, n, keys, values, scores, weights, out.add(base), d);
 }
 
+/// The BF16 attention of [`self_attention_spans`] over plain slices: `q`, `k`, `v` and `out`
+/// are rows of `d` values; the rows of `out` in `spans` are written, the others left as they
+/// are. Panics where [`bf16_gemm::available`] is false or a span leaves the rows.
+pub(crate) fn attend_spans_bf16(q: &[f32], k: &[f32], v: &[f32], d: usize, heads: usize, spans: &[(usize, usize)], out: &mut [f32]) {
+    let rows = q.len() / d;
+    assert!(bf16_gemm::available() && d % heads == 0 && k.len() == q.len() && v.len() == q.len() && out.len() == q.len());
+    assert!(spans.iter().all(|&(from, n)| from + n <= rows), "sequences {spans:?} over {rows} rows");
+    let hd = d / heads;
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..spans.len() * heads).into_par_iter().for_each_init(Bf16Scratch::default, |scratch, pair| {
+        let (from, n) = spans[pair / heads];
+        let base = from * d + (pair % heads) * hd;
+        // SAFETY: checked above; this task alone writes this head's rows of `out`.
+        unsafe { bf16_head(scratch, q, k, v, base, n, hd, d, dst.at(0)) };
+    });
+}
+
 impl CustomOp3 for SelfAttention {
     fn name(&self) -> &'static str {
         "fused-self-attention"
@@ -108,13 +125,7 @@ impl CustomOp3 for SelfAttention {
         let dst = OutPtr(out.as_mut_ptr());
         let d_s = d as isize;
         if self.bf16 {
-            (0..self.spans.len() * h).into_par_iter().for_each_init(Bf16Scratch::default, |scratch, pair| {
-                let (from, n) = self.spans[pair / h];
-                let base = from * d + (pair % h) * hd;
-                // SAFETY: `self_attention_spans` checked the CPU; this task alone writes this
-                // head's rows of `out`.
-                unsafe { bf16_head(scratch, q, k, v, base, n, hd, d, dst.at(0)) };
-            });
+            attend_spans_bf16(q, k, v, d, h, &self.spans, &mut out);
             return Ok((CpuStorage::F32(out), ql.shape().clone()));
         }
         let longest = self.spans.iter().map(|&(_, n)| n).max().unwrap_or(0);

@@ -302,17 +302,61 @@ impl Bf16Linear {
     }
 }
 
+thread_local! {
+    /// Each thread's product tile for [`Bf16Linear::pair_rows_each`], kept between calls.
+    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Bf16Linear {
+    /// The products of `rows` rows of BF16 pairs `a` (as [`Bf16Linear::pair_rows_times`],
+    /// bias added) handed to `finish(row, c0, values)` a piece of a row at a time, values
+    /// `c0..c0 + values.len()` of that row, right after they are computed and still in cache:
+    /// a caller adds them to a residual or applies an activation there instead of in a pass
+    /// of its own over a fresh buffer. Each value is handed over exactly once, from one of
+    /// rayon's threads; `c0` is a multiple of 256.
+    pub(crate) fn pair_rows_each(&self, a: &[u32], rows: usize, finish: impl Fn(usize, usize, &mut [f32]) + Sync) {
+        let (d_out, pairs) = (self.weights.n, self.weights.pairs());
+        assert_eq!(a.len(), rows * pairs, "{rows} rows of {pairs} BF16 pairs");
+        let col_tasks = d_out.div_ceil(TASK_COLS);
+        let tasks = rows.div_ceil(TASK_ROWS) * col_tasks;
+        (0..tasks).into_par_iter().for_each(|t| {
+            let (r0, c0) = ((t / col_tasks) * TASK_ROWS, (t % col_tasks) * TASK_COLS);
+            let (r1, c1) = ((r0 + TASK_ROWS).min(rows), (c0 + TASK_COLS).min(d_out));
+            TILE.with_borrow_mut(|tile| {
+                // Rows `d_out` apart, so the kernels write column `c` at `c`; only the task's
+                // columns are touched.
+                if tile.len() < TASK_ROWS * d_out {
+                    tile.resize(TASK_ROWS * d_out, 0.0);
+                }
+                // SAFETY: `pair_rows_each` runs only where `pack` found the CPU's features;
+                // the tile holds `r1 - r0 <= TASK_ROWS` rows of `d_out`.
+                unsafe { products(&a[r0 * pairs..r1 * pairs], r1 - r0, &self.weights, c0, c1, self.bias.as_deref(), tile.as_mut_ptr(), d_out) };
+                for (i, row) in tile.chunks_exact_mut(d_out).take(r1 - r0).enumerate() {
+                    finish(r0 + i, c0, &mut row[c0..c1]);
+                }
+            });
+        });
+    }
+}
+
 /// `rows` rows of `cols` F32 values as rows of BF16 pairs (see [`row_to_bf16`]), on rayon's
 /// threads.
 pub(crate) fn to_bf16_pairs(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
+    let mut out = vec![0u32; rows * cols.div_ceil(2)];
+    to_bf16_pairs_into(&x[..rows * cols], cols, &mut out);
+    out
+}
+
+/// [`to_bf16_pairs`] into `out`: the rows of `x` (`cols` values each), `cols / 2` pairs
+/// (rounded up) per row of `out`.
+pub(crate) fn to_bf16_pairs_into(x: &[f32], cols: usize, out: &mut [u32]) {
     let pairs = cols.div_ceil(2);
-    let mut out = vec![0u32; rows * pairs];
+    assert_eq!(x.len() / cols.max(1) * pairs, out.len(), "{} values in rows of {cols} into {} pairs", x.len(), out.len());
     out.par_chunks_mut(pairs * 64).zip(x.par_chunks(cols * 64)).for_each(|(dst, src)| {
         for (d, s) in dst.chunks_exact_mut(pairs).zip(src.chunks_exact(cols)) {
             row_to_bf16(s, d);
         }
     });
-    out
 }
 
 /// One row of F32 values as BF16 pairs in `dst` (`src.len() / 2` rounded up; an odd last

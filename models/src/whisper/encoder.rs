@@ -18,7 +18,9 @@ use super::LAYER_NORM_EPS;
 use crate::bf16_gemm::{self, Bf16Linear};
 use crate::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
-use crate::self_attention::{self_attention, self_attention_spans};
+use crate::cpu_kernels;
+use crate::cpu_ops::OutPtr;
+use crate::self_attention::{attend_spans_bf16, self_attention, self_attention_spans};
 
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
     let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
@@ -223,7 +225,8 @@ impl Encoder {
         let x = x.broadcast_add(&self.positions.narrow(0, 0, len)?)?;
         let (h, hd) = (self.n_head, d / self.n_head);
         let heads = |t: Tensor| t.reshape((b, len, h, hd))?.transpose(1, 2);
-        self.blocks_and_norm(x, |q, k, v| {
+        let spans: Vec<(usize, usize)> = (0..b).map(|i| (i * len, lens.map_or(len, |l| l[i]))).collect();
+        self.blocks_and_norm(x, &spans, |q, k, v| {
             if self.takes_lengths() {
                 return self_attention(q, k, v, h, lens, self.bf16_products());
             }
@@ -271,13 +274,26 @@ impl Encoder {
             first += n;
         }
         let h = self.n_head;
-        let encoded = self.blocks_and_norm(x, |q, k, v| self_attention_spans(q, k, v, h, &spans, self.bf16_products()))?;
+        let encoded = self.blocks_and_norm(x, &spans, |q, k, v| self_attention_spans(q, k, v, h, &spans, self.bf16_products()))?;
         Ok((encoded, lens))
     }
 
     /// The blocks and the final layer norm over `x` (positions added), with `attend(q, k, v)`
-    /// the blocks' self-attention.
-    fn blocks_and_norm(&self, mut x: Tensor, attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    /// the blocks' self-attention; where the products run in BF16, [`Encoder::bf16_blocks`]
+    /// over the windows' rows `spans` instead.
+    fn blocks_and_norm(&self, x: Tensor, spans: &[(usize, usize)], attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        if self.takes_lengths() && self.bf16_products() {
+            let shape = x.shape().clone();
+            let mut rows = x.flatten_all()?.to_vec1::<f32>()?;
+            drop(x);
+            self.bf16_blocks(&mut rows, spans)?;
+            return self.ln_post.forward(&Tensor::from_vec(rows, shape, self.positions.device())?);
+        }
+        self.blocks_with_ops(x, attend)
+    }
+
+    /// [`Encoder::blocks_and_norm`] with candle's ops (and the linear layers' own products).
+    fn blocks_with_ops(&self, mut x: Tensor, attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
         for block in &self.blocks {
             let y = block.attn_ln.forward(&x)?;
             let (q, k, v) = (block.q.forward(&y)?, block.k.forward(&y)?, block.v.forward(&y)?);
@@ -288,6 +304,81 @@ impl Encoder {
         }
         self.ln_post.forward(&x)
     }
+
+    /// The blocks over `x`, rows of `d_model` (F32 on the CPU, BF16 products), in place; window
+    /// `i` is the `spans[i].1` rows from row `spans[i].0` (the attention's sequences).
+    ///
+    /// The same maths as the tensor ops, in reused buffers and fewer passes: a layer norm
+    /// writes the BF16 pairs its products read; a product's values are added to the residual,
+    /// or go through GELU to the next product's pairs, while they are still in cache
+    /// ([`Bf16Linear::pair_rows_each`]). Through candle's ops each of those steps was a pass
+    /// over a fresh buffer of the whole batch, and the layer norm was scalar.
+    fn bf16_blocks(&self, x: &mut [f32], spans: &[(usize, usize)]) -> Result<()> {
+        let d = self.positions.dim(1)?;
+        let rows = x.len() / d;
+        fn packed(l: &Linear) -> Result<&Bf16Linear> {
+            l.packed().ok_or_else(|| candle_core::Error::Msg("BF16 products expected".into()))
+        }
+        let norm = |ln: &LayerNorm| -> Result<(Vec<f32>, Vec<f32>)> {
+            let beta = match ln.bias() {
+                Some(b) => b.to_vec1::<f32>()?,
+                None => vec![0.0; d],
+            };
+            Ok((ln.weight().to_vec1::<f32>()?, beta))
+        };
+        let hidden = packed(&self.blocks[0].fc1)?.d_out();
+        let (pairs, hidden_pairs) = (d.div_ceil(2), hidden.div_ceil(2));
+        let mut normed = vec![0u32; rows * pairs];
+        let mut activated = vec![0u32; rows * hidden_pairs];
+        let (mut q, mut k, mut v, mut attended) = (vec![0f32; rows * d], vec![0f32; rows * d], vec![0f32; rows * d], vec![0f32; rows * d]);
+        let eps = LAYER_NORM_EPS as f32;
+        for block in &self.blocks {
+            let (gamma, beta) = norm(&block.attn_ln)?;
+            layer_norm_to_pairs(x, d, &gamma, &beta, eps, &mut normed);
+            for (product, out) in [(&block.q, &mut q), (&block.k, &mut k), (&block.v, &mut v)] {
+                let out = OutPtr(out.as_mut_ptr());
+                packed(product)?.pair_rows_each(&normed, rows, |r, c0, values| {
+                    // SAFETY: each (row, column) is handed over once; `out` holds rows x d.
+                    unsafe { out.slice(r * d + c0, values.len()) }.copy_from_slice(values);
+                });
+            }
+            attend_spans_bf16(&q, &k, &v, d, self.n_head, spans, &mut attended);
+            bf16_gemm::to_bf16_pairs_into(&attended, d, &mut normed);
+            let residual = OutPtr(x.as_mut_ptr());
+            let add = |r: usize, c0: usize, values: &mut [f32]| {
+                // SAFETY: as above, for `x`.
+                for (x, v) in unsafe { residual.slice(r * d + c0, values.len()) }.iter_mut().zip(values.iter()) {
+                    *x += *v;
+                }
+            };
+            packed(&block.out)?.pair_rows_each(&normed, rows, add);
+            let (gamma, beta) = norm(&block.mlp_ln)?;
+            layer_norm_to_pairs(x, d, &gamma, &beta, eps, &mut normed);
+            let next = OutPtr(activated.as_mut_ptr());
+            packed(&block.fc1)?.pair_rows_each(&normed, rows, |r, c0, values| {
+                let src = values.to_vec();
+                cpu_kernels::gelu_slice(values, &src);
+                // SAFETY: as above; `c0` is even, so this piece's pairs are its own.
+                bf16_gemm::row_to_bf16(values, unsafe { next.slice(r * hidden_pairs + c0 / 2, values.len().div_ceil(2)) });
+            });
+            packed(&block.fc2)?.pair_rows_each(&activated, rows, add);
+        }
+        Ok(())
+    }
+}
+
+/// Layer norm of each row of `x` (`d` values) into BF16 pairs, on every core.
+fn layer_norm_to_pairs(x: &[f32], d: usize, gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u32]) {
+    let pairs = d.div_ceil(2);
+    out.par_chunks_mut(pairs * 32).zip(x.par_chunks(d * 32)).for_each_init(
+        || vec![0f32; d],
+        |normed, (dst, src)| {
+            for (dst, row) in dst.chunks_exact_mut(pairs).zip(src.chunks_exact(d)) {
+                cpu_kernels::layer_norm(normed, row, gamma, beta, eps);
+                bf16_gemm::row_to_bf16(normed, dst);
+            }
+        },
+    );
 }
 
 #[cfg(test)]
@@ -384,6 +475,35 @@ mod tests {
         }
         // A window of an odd frame count is refused, not mis-encoded.
         assert!(encoder.forward_ragged(&[mels[0].narrow(2, 0, 25).unwrap()]).is_err());
+    }
+
+    /// The fused BF16 blocks give what candle's ops give over the same BF16 products, within
+    /// the rounding of a layer norm summed in another order.
+    #[test]
+    fn fused_bf16_blocks_match_the_blocks_through_candles_ops() {
+        if bf16_gemm::skip_without_bf16() {
+            return;
+        }
+        let (encoder, cfg) = small_encoder();
+        let d = cfg.d_model;
+        let spans = [(0usize, 13usize), (13, 20), (40, 5)];
+        let rows = 45;
+        let x = Tensor::from_vec(values(rows * d, 7), (rows, d), &Device::Cpu).unwrap();
+        let h = encoder.n_head;
+        let want = encoder.blocks_with_ops(x.clone(), |q, k, v| self_attention_spans(q, k, v, h, &spans, true)).unwrap();
+        let mut fused = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        encoder.bf16_blocks(&mut fused, &spans).unwrap();
+        let want_rows = want.to_vec2::<f32>().unwrap();
+        let got = encoder.ln_post.forward(&Tensor::from_vec(fused.clone(), (rows, d), &Device::Cpu).unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        let mut worst = 0f32;
+        for &(from, n) in &spans {
+            for r in from..from + n {
+                for (g, w) in got[r].iter().zip(&want_rows[r]) {
+                    worst = worst.max((g - w).abs());
+                }
+            }
+        }
+        assert!(worst < 0.05, "largest difference {worst}");
     }
 
     /// Channel counts that cross a 32-column block and lengths odd and even, at both strides.
