@@ -115,34 +115,11 @@ fn bias_gelu_erf_generic(dst: &mut [f32], src: &[f32], bias: &[f32]) {
     }
 }
 
+/// A layer norm's statistics of `x`: its mean and `1 / sqrt(variance + eps)`.
 #[inline(always)]
-fn add_layer_norm_generic(dst: &mut [f32], y: &[f32], residual: &[f32], params: &[f32], eps: f32) {
-    let n = dst.len();
-    let (bias, rest) = params.split_at(n);
-    let (gamma, beta) = rest.split_at(n);
-    for (((d, &a), &r), &b) in dst.iter_mut().zip(y).zip(residual).zip(bias) {
-        *d = a + r + b;
-    }
-    let mean = sum_of(dst) / n as f32;
-    let mut acc = [0f32; LANES];
-    let chunks = dst.chunks_exact(LANES);
-    let tail: f32 = chunks.remainder().iter().map(|v| (v - mean) * (v - mean)).sum();
-    for c in chunks {
-        for i in 0..LANES {
-            acc[i] += (c[i] - mean) * (c[i] - mean);
-        }
-    }
-    let var = (tail + acc.iter().sum::<f32>()) / n as f32;
-    let inv = 1.0 / (var + eps).sqrt();
-    for ((d, &g), &b) in dst.iter_mut().zip(gamma).zip(beta) {
-        *d = (*d - mean) * inv * g + b;
-    }
-}
-
-#[inline(always)]
-fn layer_norm_generic(dst: &mut [f32], x: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
-    let n = x.len();
-    let mean = sum_of(x) / n as f32;
+fn mean_and_inverse_deviation(x: &[f32], eps: f32) -> (f32, f32) {
+    let n = x.len() as f32;
+    let mean = sum_of(x) / n;
     let mut acc = [0f32; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail: f32 = chunks.remainder().iter().map(|v| (v - mean) * (v - mean)).sum();
@@ -151,8 +128,27 @@ fn layer_norm_generic(dst: &mut [f32], x: &[f32], gamma: &[f32], beta: &[f32], e
             acc[i] += (c[i] - mean) * (c[i] - mean);
         }
     }
-    let var = (tail + acc.iter().sum::<f32>()) / n as f32;
-    let inv = 1.0 / (var + eps).sqrt();
+    let var = (tail + acc.iter().sum::<f32>()) / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+#[inline(always)]
+fn add_layer_norm_generic(dst: &mut [f32], y: &[f32], residual: &[f32], params: &[f32], eps: f32) {
+    let n = dst.len();
+    let (bias, rest) = params.split_at(n);
+    let (gamma, beta) = rest.split_at(n);
+    for (((d, &a), &r), &b) in dst.iter_mut().zip(y).zip(residual).zip(bias) {
+        *d = a + r + b;
+    }
+    let (mean, inv) = mean_and_inverse_deviation(dst, eps);
+    for ((d, &g), &b) in dst.iter_mut().zip(gamma).zip(beta) {
+        *d = (*d - mean) * inv * g + b;
+    }
+}
+
+#[inline(always)]
+fn layer_norm_generic(dst: &mut [f32], x: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    let (mean, inv) = mean_and_inverse_deviation(x, eps);
     for (((d, &v), &g), &b) in dst.iter_mut().zip(x).zip(gamma).zip(beta) {
         *d = (v - mean) * inv * g + b;
     }

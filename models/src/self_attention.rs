@@ -24,6 +24,17 @@ pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, l
     self_attention_spans(q, k, v, heads, &spans, bf16)
 }
 
+/// The spans (first row, rows) of sequences of `lens` rows laid end to end.
+pub(crate) fn end_to_end(lens: &[usize]) -> Vec<(usize, usize)> {
+    let mut first = 0;
+    lens.iter()
+        .map(|&n| {
+            first += n;
+            (first - n, n)
+        })
+        .collect()
+}
+
 /// [`self_attention`] over sequences laid end to end: `q`, `k`, `v` are `(rows, heads *
 /// head_dim)` (or any shape whose last dimension is that), and sequence `i` is the `spans[i].1`
 /// rows from row `spans[i].0`. Rows outside every span come out zero.

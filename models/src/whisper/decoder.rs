@@ -400,13 +400,7 @@ impl Decoder {
         if !self.takes_ragged() {
             candle_core::bail!("this decoder's cross-attention takes windows padded to one length");
         }
-        let mut spans = Vec::with_capacity(lens.len());
-        let mut first = 0;
-        for &n in lens {
-            spans.push((first, n));
-            first += n;
-        }
-        self.cross_kv_spans(audio_features, &spans)
+        self.cross_kv_spans(audio_features, &crate::self_attention::end_to_end(lens))
     }
 
     /// Packed keys and values of windows whose frames are the rows `spans[i].0..+spans[i].1` of

@@ -20,7 +20,7 @@ use crate::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
 use crate::cpu_kernels;
 use crate::cpu_ops::OutPtr;
-use crate::self_attention::{attend_spans_bf16, self_attention, self_attention_spans};
+use crate::self_attention::{attend_spans_bf16, end_to_end, self_attention, self_attention_spans};
 
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
     let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
@@ -267,12 +267,7 @@ impl Encoder {
         let lens: Vec<usize> = frames.iter().map(|&n| n / 2).collect();
         let index: Vec<u32> = lens.iter().flat_map(|&n| 0..n as u32).collect();
         let x = (x + self.positions.index_select(&Tensor::new(index.as_slice(), self.positions.device())?, 0)?)?;
-        let mut spans = Vec::with_capacity(lens.len());
-        let mut first = 0;
-        for &n in &lens {
-            spans.push((first, n));
-            first += n;
-        }
+        let spans = end_to_end(&lens);
         let h = self.n_head;
         let encoded = self.blocks_and_norm(x, &spans, |q, k, v| self_attention_spans(q, k, v, h, &spans, self.bf16_products()))?;
         Ok((encoded, lens))
@@ -326,7 +321,8 @@ impl Encoder {
             };
             Ok((ln.weight().to_vec1::<f32>()?, beta))
         };
-        let hidden = packed(&self.blocks[0].fc1)?.d_out();
+        let Some(first) = self.blocks.first() else { return Ok(()) };
+        let hidden = packed(&first.fc1)?.d_out();
         let (pairs, hidden_pairs) = (d.div_ceil(2), hidden.div_ceil(2));
         let mut normed = vec![0u32; rows * pairs];
         let mut activated = vec![0u32; rows * hidden_pairs];
