@@ -106,7 +106,9 @@ async fn main() -> Result<()> {
     );
     println!("{:>14} {:>22} {:>22}", "batch budget", "short clips audio-s/s", "long file audio-s/s");
     for budget in &args.budgets {
-        let mut cluster = Cluster::start(&[("TERN_LOG", "warn")]).await?;
+        // TERN_BENCH_API_LOG=info shows each request and its latency in the API's log.
+        let api_log = std::env::var("TERN_BENCH_API_LOG").unwrap_or_else(|_| "warn".into());
+        let mut cluster = Cluster::start(&[("TERN_LOG", &api_log)]).await?;
         let budget_s = budget.to_string();
         // TERN_BENCH_WORKER_LOG=info shows each model batch in the worker's log.
         let worker_log = std::env::var("TERN_BENCH_WORKER_LOG").unwrap_or_else(|_| "warn".into());
