@@ -102,6 +102,13 @@ fn gelu_generic(dst: &mut [f32], src: &[f32]) {
 }
 
 #[inline(always)]
+fn gelu_in_place_generic(xs: &mut [f32]) {
+    for x in xs.iter_mut() {
+        *x = gelu(*x);
+    }
+}
+
+#[inline(always)]
 fn gelu_erf_generic(dst: &mut [f32], src: &[f32]) {
     for (d, &x) in dst.iter_mut().zip(src) {
         *d = gelu_erf(x);
@@ -263,6 +270,10 @@ macro_rules! dispatched {
 dispatched!(
     /// `dst[i] = gelu(src[i])` over the shorter of the two slices.
     gelu_slice(dst: &mut [f32], src: &[f32]) = gelu_generic
+);
+dispatched!(
+    /// `xs[i] = gelu(xs[i])`.
+    gelu_in_place(xs: &mut [f32]) = gelu_in_place_generic
 );
 dispatched!(
     /// `dst[i] = gelu_erf(src[i])` over the shorter of the two slices.

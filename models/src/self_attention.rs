@@ -15,13 +15,19 @@ use crate::cpu_ops::{contiguous_f32, OutPtr};
 /// [`SelfAttention`].
 pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, lens: Option<&[usize]>, bf16: bool) -> Result<Tensor> {
     let (b, len, _) = q.dims3()?;
+    self_attention_spans(q, k, v, heads, &padded(b, len, lens)?, bf16)
+}
+
+/// The spans (first row, rows) of `b` sequences padded to `len` rows each, sequence `i` taking
+/// its first `lens[i]` (all `len` without `lens`). An error where `lens` has another count or a
+/// length of 0 or over `len`.
+pub(crate) fn padded(b: usize, len: usize, lens: Option<&[usize]>) -> Result<Vec<(usize, usize)>> {
     if let Some(lens) = lens {
         if lens.len() != b || lens.iter().any(|&n| n == 0 || n > len) {
             candle_core::bail!("self-attention: lengths {lens:?} for {b} windows of {len}");
         }
     }
-    let spans: Vec<(usize, usize)> = (0..b).map(|i| (i * len, lens.map_or(len, |l| l[i]))).collect();
-    self_attention_spans(q, k, v, heads, &spans, bf16)
+    Ok((0..b).map(|i| (i * len, lens.map_or(len, |l| l[i]))).collect())
 }
 
 /// The spans (first row, rows) of sequences of `lens` rows laid end to end.

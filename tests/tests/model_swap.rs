@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tern_e2e::{models_dir, Cluster};
+use tern_e2e::{models_dir, Cluster, Process};
 use uuid::Uuid;
 
 const DEFAULT: &str = "all-MiniLM-L6-v2";
@@ -41,6 +41,16 @@ fn models_with_versions(root: &Path) -> PathBuf {
     weights[header..].fill(0);
     std::fs::write(broken.join("model.safetensors"), weights).unwrap();
     dir
+}
+
+/// A deployment with one worker for `kind` over [`models_with_versions`] (kept in the returned
+/// folder, which must outlive the worker).
+async fn start_with_versions(kind: &str) -> (tempfile::TempDir, Cluster, Process) {
+    let root = tempfile::tempdir().unwrap();
+    let models = models_with_versions(root.path()).display().to_string();
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let worker = cluster.spawn_worker(&[("TERN_MODELS_DIR", &models), ("TERN_WORKER_KINDS", kind)]).unwrap();
+    (root, cluster, worker)
 }
 
 /// Submits an embedding job every 40 ms until `check` holds (asked every 200 ms).
@@ -138,11 +148,7 @@ async fn warm_then_swap_in(cluster: &Cluster, job: impl Fn(usize) -> Value + Cop
 
 #[tokio::test]
 async fn a_new_version_swaps_in_under_load_a_broken_one_is_refused_and_rollback_restores_the_previous() {
-    let root = tempfile::tempdir().unwrap();
-    let models = models_with_versions(root.path());
-    let mut cluster = Cluster::start(&[]).await.unwrap();
-    let models = models.display().to_string();
-    let _worker = cluster.spawn_worker(&[("TERN_MODELS_DIR", &models), ("TERN_WORKER_KINDS", "embed")]).unwrap();
+    let (_root, cluster, _worker) = start_with_versions("embed").await;
     let mut ids = Vec::new();
 
     // Warm on the configured model, then a new version swaps in while jobs keep coming.
@@ -223,11 +229,7 @@ async fn registering_checks_the_kind_and_the_name_and_rollback_needs_an_active_v
 /// loop of requests can keep one batch running.)
 #[tokio::test]
 async fn a_transcription_model_swaps_in_under_a_steady_stream_of_clips() {
-    let root = tempfile::tempdir().unwrap();
-    let models = models_with_versions(root.path());
-    let mut cluster = Cluster::start(&[]).await.unwrap();
-    let models = models.display().to_string();
-    let _worker = cluster.spawn_worker(&[("TERN_MODELS_DIR", &models), ("TERN_WORKER_KINDS", "transcribe")]).unwrap();
+    let (_root, cluster, _worker) = start_with_versions("transcribe").await;
     // The shortest LibriVox clip: a few seconds of speech, a fraction of a second to transcribe.
     let clip = std::fs::read_dir(models_dir().join("testdata/librivox"))
         .unwrap()

@@ -289,16 +289,23 @@ impl Bf16Linear {
         let bias = if with_bias { self.bias.as_deref() } else { None };
         let mut out = vec![0f32; rows * d_out];
         let out_at = OutPtr(out.as_mut_ptr());
-        let col_tasks = d_out.div_ceil(TASK_COLS);
-        let tasks = rows.div_ceil(TASK_ROWS) * col_tasks;
-        (0..tasks).into_par_iter().for_each(|t| {
-            let (r0, c0) = ((t / col_tasks) * TASK_ROWS, (t % col_tasks) * TASK_COLS);
-            let (r1, c1) = ((r0 + TASK_ROWS).min(rows), (c0 + TASK_COLS).min(d_out));
+        self.tasks(rows, |(r0, r1), (c0, c1)| {
             // SAFETY: `pack` found the CPU features; rows r0..r1 and columns c0..c1 lie in
             // `out` and belong to this task alone.
             unsafe { products(&a[r0 * pairs..r1 * pairs], r1 - r0, &self.weights, c0, c1, bias, out_at.at(r0 * d_out), d_out) };
         });
         out
+    }
+
+    /// Runs `task(rows r0..r1, columns c0..c1)` on rayon's threads for each block of at most
+    /// [`TASK_ROWS`] of `rows` rows by [`TASK_COLS`] of the output columns.
+    fn tasks(&self, rows: usize, task: impl Fn((usize, usize), (usize, usize)) + Sync) {
+        let d_out = self.weights.n;
+        let col_tasks = d_out.div_ceil(TASK_COLS);
+        (0..rows.div_ceil(TASK_ROWS) * col_tasks).into_par_iter().for_each(|t| {
+            let (r0, c0) = ((t / col_tasks) * TASK_ROWS, (t % col_tasks) * TASK_COLS);
+            task((r0, (r0 + TASK_ROWS).min(rows)), (c0, (c0 + TASK_COLS).min(d_out)));
+        });
     }
 }
 
@@ -317,11 +324,7 @@ impl Bf16Linear {
     pub(crate) fn pair_rows_each(&self, a: &[u32], rows: usize, finish: impl Fn(usize, usize, &mut [f32]) + Sync) {
         let (d_out, pairs) = (self.weights.n, self.weights.pairs());
         assert_eq!(a.len(), rows * pairs, "{rows} rows of {pairs} BF16 pairs");
-        let col_tasks = d_out.div_ceil(TASK_COLS);
-        let tasks = rows.div_ceil(TASK_ROWS) * col_tasks;
-        (0..tasks).into_par_iter().for_each(|t| {
-            let (r0, c0) = ((t / col_tasks) * TASK_ROWS, (t % col_tasks) * TASK_COLS);
-            let (r1, c1) = ((r0 + TASK_ROWS).min(rows), (c0 + TASK_COLS).min(d_out));
+        self.tasks(rows, |(r0, r1), (c0, c1)| {
             TILE.with_borrow_mut(|tile| {
                 // Rows `d_out` apart, so the kernels write column `c` at `c`; only the task's
                 // columns are touched.

@@ -388,16 +388,11 @@ impl Decoder {
         self.cross_kv_spans(&audio_features.reshape((b * total, d))?, &spans)
     }
 
-    /// Whether [`Decoder::cross_kv_ragged`] runs here (the cross-attention is packed per row).
-    pub fn takes_ragged(&self) -> bool {
-        self.logits_bf16.is_some()
-    }
-
     /// [`Decoder::cross_kv`] of windows encoded end to end (`Encoder::forward_ragged`):
     /// `audio_features` `(Σ lens, d_model)`, window `i` taking `lens[i]` rows. Only where
-    /// [`Decoder::takes_ragged`].
+    /// [`Decoder::packs_cross`].
     pub fn cross_kv_ragged(&self, audio_features: &Tensor, lens: &[usize]) -> Result<CrossKv> {
-        if !self.takes_ragged() {
+        if !self.packs_cross() {
             candle_core::bail!("this decoder's cross-attention takes windows padded to one length");
         }
         self.cross_kv_spans(audio_features, &crate::self_attention::end_to_end(lens))

@@ -20,7 +20,7 @@ use crate::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
 use crate::cpu_kernels;
 use crate::cpu_ops::OutPtr;
-use crate::self_attention::{attend_spans_bf16, end_to_end, self_attention, self_attention_spans};
+use crate::self_attention::{attend_spans_bf16, end_to_end, padded, self_attention, self_attention_spans};
 
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
     let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
@@ -225,7 +225,7 @@ impl Encoder {
         let x = x.broadcast_add(&self.positions.narrow(0, 0, len)?)?;
         let (h, hd) = (self.n_head, d / self.n_head);
         let heads = |t: Tensor| t.reshape((b, len, h, hd))?.transpose(1, 2);
-        let spans: Vec<(usize, usize)> = (0..b).map(|i| (i * len, lens.map_or(len, |l| l[i]))).collect();
+        let spans = padded(b, len, lens)?;
         self.blocks_and_norm(x, &spans, |q, k, v| {
             if self.takes_lengths() {
                 return self_attention(q, k, v, h, lens, self.bf16_products());
@@ -352,8 +352,7 @@ impl Encoder {
             layer_norm_to_pairs(x, d, &gamma, &beta, eps, &mut normed);
             let next = OutPtr(activated.as_mut_ptr());
             packed(&block.fc1)?.pair_rows_each(&normed, rows, |r, c0, values| {
-                let src = values.to_vec();
-                cpu_kernels::gelu_slice(values, &src);
+                cpu_kernels::gelu_in_place(values);
                 // SAFETY: as above; `c0` is even, so this piece's pairs are its own.
                 bf16_gemm::row_to_bf16(values, unsafe { next.slice(r * hidden_pairs + c0 / 2, values.len().div_ceil(2)) });
             });

@@ -783,7 +783,8 @@ impl Whisper {
         let mixed = self.encoder.takes_lengths();
         // Where the encoder and the cross-attention take windows end to end, all of them go
         // through as one group with no padding at all.
-        let groups = if self.encoder.takes_ragged() && self.decoder.takes_ragged() {
+        let ragged = self.encoder.takes_ragged() && self.decoder.packs_cross();
+        let groups = if ragged {
             vec![(0..works.len()).collect()]
         } else {
             encoder_groups(&positions, mixed)
@@ -800,7 +801,7 @@ impl Whisper {
                     mel::window_mel(config, filters, pcm, 2 * positions[r], device)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let cross = if self.encoder.takes_ragged() && self.decoder.takes_ragged() {
+            let cross = if ragged {
                 let (encoded, lens) = self.encoder.forward_ragged(&mels)?;
                 drop(mels);
                 self.decoder.cross_kv_ragged(&encoded, &lens)?
