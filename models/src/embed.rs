@@ -8,9 +8,9 @@
 use std::path::Path;
 
 use anyhow::{anyhow, Context, Result};
-use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
-use candle_transformers::models::bert::{BertModel, Config};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, VarBuilder};
+use candle_transformers::models::bert::{BertEncoder, Config};
 use tokenizers::{Tokenizer, TruncationParams};
 
 use crate::precision::Precision;
@@ -18,14 +18,60 @@ use crate::precision::Precision;
 /// Tokens kept per text (sentence-transformers' setting for all-MiniLM-L6-v2); longer texts are
 /// truncated, never refused.
 pub const MAX_TOKENS_PER_TEXT: usize = 256;
-/// Padded tokens run through the encoder in one forward pass; bounds working memory (attention
-/// scores grow with the square of the longest text).
-const TOKENS_PER_FORWARD: usize = 8192;
+/// Padded tokens run through the encoder in one forward pass by [`Embedder::embed`]; bounds
+/// working memory (attention scores grow with the square of the longest text).
+pub const TOKENS_PER_FORWARD: usize = 8192;
 
-/// The encoder that runs: tern's on the CPU ([`crate::bert`]), candle's elsewhere.
+/// What padding adds to attention scores: finite in every compute type (`f32::MIN`, which
+/// candle's `BertModel` uses, overflows to -inf in F16 and BF16, and its mask is built as
+/// `0 x -inf`, NaN), and low enough that exp() of it is 0 in each.
+const MASK_VALUE: f64 = -1e4;
+
+/// The encoder that runs: tern's on the CPU in F32 ([`crate::bert`]), candle's layers
+/// elsewhere and in half precision.
 enum Encoder {
     Tern(crate::bert::Bert),
-    Candle(BertModel),
+    Candle(CandleBert),
+}
+
+/// candle-transformers' BERT layers under embeddings and a padding mask built here, in the
+/// weights' dtype, so that half precision stays finite.
+struct CandleBert {
+    word: Embedding,
+    position: Embedding,
+    token_type: Embedding,
+    norm: LayerNorm,
+    layers: BertEncoder,
+    dtype: DType,
+}
+
+impl CandleBert {
+    fn load(vb: VarBuilder, config: &Config) -> candle_core::Result<CandleBert> {
+        let vb = if vb.contains_tensor("embeddings.word_embeddings.weight") { vb } else { vb.pp("bert") };
+        let (e, d) = (vb.pp("embeddings"), config.hidden_size);
+        Ok(CandleBert {
+            word: embedding(config.vocab_size, d, e.pp("word_embeddings"))?,
+            position: embedding(config.max_position_embeddings, d, e.pp("position_embeddings"))?,
+            token_type: embedding(config.type_vocab_size, d, e.pp("token_type_embeddings"))?,
+            norm: layer_norm(d, config.layer_norm_eps, e.pp("LayerNorm"))?,
+            layers: BertEncoder::load(vb.pp("encoder"), config)?,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// Hidden states `(batch, len, d)` of token ids `(batch, len)`; `mask` is 1 over tokens and
+    /// 0 over padding.
+    fn forward(&self, ids: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let len = ids.dim(1)?;
+        let positions = Tensor::arange(0u32, len as u32, ids.device())?.unsqueeze(0)?;
+        let x = self.word.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?;
+        // Sentence embeddings use one segment.
+        let x = x.broadcast_add(&self.token_type.forward(&Tensor::zeros((1, 1), DType::U32, ids.device())?)?)?;
+        let x = self.norm.forward(&x)?;
+        // (batch, 1, 1, len): 0 over tokens, MASK_VALUE over padding.
+        let additive = ((mask.to_dtype(DType::F32)? - 1.0)? * -MASK_VALUE)?.to_dtype(self.dtype)?;
+        self.layers.forward(&x, &additive.unsqueeze(1)?.unsqueeze(1)?)
+    }
 }
 
 /// A loaded sentence-embedding model and its tokenizer on one candle [`Device`].
@@ -44,19 +90,18 @@ const _: () = {
 
 impl Embedder {
     /// Loads a Hugging Face folder: `config.json` (BERT config), `tokenizer.json` and
-    /// `model.safetensors` (F32, F16 or BF16; computed in F32). Weights are memory-mapped then
-    /// copied onto `device`.
-    ///
-    /// F32 on GPUs too: candle's BERT masks padding with `f32::MIN`, which overflows to -inf in
-    /// F16 and BF16, and `0 x -inf` is NaN for every padded batch. The model is small enough
-    /// that half precision gains little: on an H100, 17,130 texts/s in F32 against 18,090 in
-    /// BF16 (batch 128, docs/benchmarks.md).
+    /// `model.safetensors` (F32, F16 or BF16). Weights are memory-mapped then copied onto
+    /// `device`, in F16 on a GPU and F32 on the CPU (see [`Self::load_in`]).
     pub fn load(dir: &Path, device: &Device) -> Result<Embedder> {
         Self::load_in(dir, device, Precision::Auto)
     }
 
-    /// [`Self::load`], with `precision` choosing the products on the CPU: `Auto` takes BF16
-    /// products (F32 sums) where the CPU has AVX-512 BF16, anything else keeps F32 ones.
+    /// [`Self::load`] computing in `precision`'s dtype ([`Precision::dtype`]: `Auto` is F16 on
+    /// a GPU, F32 on the CPU). On the CPU, `Auto` takes BF16 products (F32 sums) where the CPU
+    /// has AVX-512 BF16 and `F32` keeps F32 ones; `F16` and `Bf16` compute in half precision
+    /// there too (slowly: candle's CPU kernels are made for F32), which is how the half
+    /// precision path is tested without a GPU. Padding is masked with a finite value, so half
+    /// precision gives the F32 vectors to a cosine of 0.999 and better.
     pub fn load_in(dir: &Path, device: &Device, precision: Precision) -> Result<Embedder> {
         let cfg_path = dir.join("config.json");
         let config: Config = serde_json::from_slice(
@@ -77,15 +122,18 @@ impl Embedder {
         let weights_bytes = std::fs::metadata(&weights)
             .with_context(|| format!("reading {}", weights.display()))?
             .len();
+        let dtype = precision.dtype(device);
         // SAFETY: the file is only read; tern's models directory is not rewritten while in use.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], dtype, device)? };
+        // tern's encoder takes F32 on the CPU; it declines the rest.
         let model = match crate::bert::Bert::load(vb.clone(), &config, precision == Precision::Auto).context("building the BERT model")? {
             Some(bert) => Encoder::Tern(bert),
-            None => Encoder::Candle(BertModel::load(vb, &config).context("building the BERT model")?),
+            None => Encoder::Candle(CandleBert::load(vb, &config).context("building the BERT model")?),
         };
+        // The file holds F32 weights.
         let weights_bytes = match &model {
             Encoder::Tern(bert) => weights_bytes.saturating_sub(bert.bytes_saved() as u64),
-            Encoder::Candle(_) => weights_bytes,
+            Encoder::Candle(_) => weights_bytes * dtype.size_in_bytes() as u64 / 4,
         };
         Ok(Embedder { model, tokenizer, device: device.clone(), dimensions: config.hidden_size, weights_bytes })
     }
@@ -113,6 +161,13 @@ impl Embedder {
     /// Embeds every text: unit-length vectors of [`Self::dimensions`] floats, in input order.
     /// A text's vector does not depend on what it is batched with (within float rounding, ~1e-6).
     pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        self.embed_in(texts, TOKENS_PER_FORWARD)
+    }
+
+    /// [`Self::embed`], running at most `tokens_per_forward` padded tokens through the encoder
+    /// at once (a text longer than that runs alone). More suits a GPU, whose working memory
+    /// the worker measures; the vectors are the same.
+    pub fn embed_in(&self, texts: &[&str], tokens_per_forward: usize) -> Result<Vec<Vec<f32>>> {
         let encodings = texts
             .iter()
             .map(|t| self.tokenizer.encode(*t, true).map_err(|e| anyhow!("tokenizing: {e}")))
@@ -124,7 +179,7 @@ impl Embedder {
         while start < order.len() {
             // Sorted ascending: the last text of a sub-batch is its longest.
             let mut end = start + 1;
-            while end < order.len() && encodings[order[end]].len() * (end + 1 - start) <= TOKENS_PER_FORWARD {
+            while end < order.len() && encodings[order[end]].len() * (end + 1 - start) <= tokens_per_forward {
                 end += 1;
             }
             let rows = &order[start..end];
@@ -153,7 +208,7 @@ impl Embedder {
     fn forward(&self, ids: &Tensor, mask: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
         let hidden = match &self.model {
             Encoder::Tern(bert) => bert.forward(ids, lens)?,
-            Encoder::Candle(bert) => bert.forward(ids, &ids.zeros_like()?, Some(mask))?,
+            Encoder::Candle(bert) => bert.forward(ids, mask)?.to_dtype(DType::F32)?,
         };
         let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
         let summed = hidden.broadcast_mul(&mask)?.sum(1)?;

@@ -61,3 +61,31 @@ fn batched_equals_single() {
     assert_eq!(tokens[2], tern_models::embed::MAX_TOKENS_PER_TEXT, "long text truncated");
     assert_eq!(tokens[3], 2, "empty text is [CLS] [SEP]");
 }
+
+/// Half precision through candle's layers with tern's finite padding mask: every text of a
+/// padded batch keeps its F32 vector, with no NaN (candle's own mask made every half-precision
+/// batch NaN). F16, the GPU's default, to a cosine of 0.999; BF16, with 8 bits of mantissa, to
+/// 0.99 (0.9967 on the 256-token text). On the CPU here; on a GPU it is the default.
+#[test]
+fn half_precision_matches_f32_on_padded_batches() {
+    let Some(dir) = model_dir() else { return };
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(40);
+    let texts = [
+        "A man is eating food.",
+        "short",
+        "A somewhat longer sentence about the weather in spring, and what the farmers made of it.",
+        long.as_str(),
+        "",
+        "数字 12345",
+    ];
+    let reference = Embedder::load_in(&dir, &Device::Cpu, Precision::F32).unwrap().embed(&texts).unwrap();
+    for (precision, floor) in [(Precision::F16, 0.999), (Precision::Bf16, 0.99)] {
+        let model = Embedder::load_in(&dir, &Device::Cpu, precision).unwrap();
+        let half = model.embed(&texts).unwrap();
+        for (i, (r, h)) in reference.iter().zip(&half).enumerate() {
+            assert!(h.iter().all(|x| x.is_finite()), "{precision}: text {i} has a non-finite value");
+            let cosine = dot(r, h);
+            assert!(cosine >= floor, "{precision}: text {i} ({} chars): cosine to F32 {cosine}", texts[i].len());
+        }
+    }
+}

@@ -254,7 +254,7 @@ fn batched_clips_transcribe_as_alone_in_every_decoding_mode() {
 #[test]
 fn recordings_join_a_running_batch_and_are_answered_as_they_finish() {
     use std::borrow::Cow;
-    use tern_models::whisper::TranscribeInput;
+    use tern_models::whisper::{Pcm, TranscribeInput};
     let Some(dir) = models_dir() else { return };
     let mut whisper = load(&dir);
     let refs = references(&dir);
@@ -269,7 +269,7 @@ fn recordings_join_a_running_batch_and_are_answered_as_they_finish() {
         let take = if calls == 1 { 2 } else { 1 };
         let from = next;
         next = (next + take).min(pcms.len());
-        pcms[from..next].iter().map(|p| TranscribeInput { pcm: Cow::Borrowed(p.as_slice()), options: Cow::Borrowed(&opts) }).collect()
+        pcms[from..next].iter().map(|p| TranscribeInput { pcm: Pcm::Borrowed(p.as_slice()), options: Cow::Borrowed(&opts) }).collect()
     };
     let events = std::cell::RefCell::new(Vec::new());
     let mut answers: Vec<Option<String>> = vec![None; pcms.len()];

@@ -35,9 +35,11 @@ struct Cli {
     /// Job kinds to run, comma-separated. Default: every kind.
     #[arg(long, env = "TERN_WORKER_KINDS", value_delimiter = ',')]
     kinds: Vec<String>,
-    /// Most jobs per batch.
-    #[arg(long, env = "TERN_BATCH_SIZE", default_value_t = 64)]
-    batch_size: usize,
+    /// Most jobs per batch. Default: 64 for echo jobs; for model kinds the batch's cost budget
+    /// (each job costs at least 1), between 64 and 1,024 jobs, so a GPU batch sized by memory
+    /// is not cut short by a count of jobs.
+    #[arg(long, env = "TERN_BATCH_SIZE")]
+    batch_size: Option<usize>,
     /// Cost budget of a batch of echo jobs (they cost 1 each). Default: the batch size. Model
     /// kinds size their batches by memory (see the options below).
     #[arg(long, env = "TERN_BATCH_BUDGET")]
@@ -53,18 +55,20 @@ struct Cli {
     /// from system RAM).
     #[arg(long, env = "TERN_DEVICE", default_value = "cpu", value_parser = resources::parse_device)]
     device: candle_core::Device,
-    /// Precision of Whisper: `auto` (F32 on the CPU, F16 on a GPU), `f32`, `f16` or `bf16`.
-    /// On a CPU with AVX-512 BF16, `auto` also has Whisper and the embedder take BF16 products
-    /// with F32 sums (about twice F32's rate; same word error rates), and `f32` keeps F32
-    /// products. The embedder computes in F32 otherwise, and the language model keeps its GGUF
-    /// quantisation.
+    /// Precision of Whisper and the embedder: `auto` (F32 on the CPU, F16 on a GPU), `f32`,
+    /// `f16` or `bf16`. On a CPU with AVX-512 BF16, `auto` also has Whisper and the embedder
+    /// take BF16 products with F32 sums (about twice F32's rate; same word error rates), and
+    /// `f32` keeps F32 products. On the CPU the embedder takes `f16` and `bf16` as `auto`. The
+    /// language model keeps its GGUF quantisation.
     #[arg(long, env = "TERN_PRECISION", default_value = "auto")]
     precision: tern_models::precision::Precision,
-    /// Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory budget
-    /// and the memory per window measured at warmup, at most 16.
+    /// Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory free
+    /// (on a GPU the device's, read from the CUDA driver) and the memory per window measured at
+    /// warmup, at most 16 on the CPU and 1,024 on a GPU; halved when a batch runs out of memory.
     #[arg(long, env = "TERN_TRANSCRIBE_BATCH_WINDOWS")]
     transcribe_batch_windows: Option<usize>,
-    /// Most padded tokens in one batch of embedding jobs. Default: calibrated, at most 32768.
+    /// Most padded tokens in one batch of embedding jobs. Default: calibrated, at most 32,768 on
+    /// the CPU and 1,048,576 on a GPU.
     #[arg(long, env = "TERN_EMBED_BATCH_TOKENS")]
     embed_batch_tokens: Option<usize>,
     /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight
@@ -228,8 +232,8 @@ async fn run() -> anyhow::Result<()> {
         settings: RunnerSettings {
             worker_id: worker_id.clone(),
             kinds: kinds.clone(),
-            batch_size: cli.batch_size.max(1),
-            batch_budget: cli.batch_budget.unwrap_or(cli.batch_size as i64).max(1),
+            batch_size: cli.batch_size.map(|n| n.max(1)),
+            batch_budget: cli.batch_budget.unwrap_or(cli.batch_size.unwrap_or(runner::DEFAULT_BATCH_SIZE) as i64).max(1),
             heartbeat: Duration::from_millis(cli.heartbeat_ms.max(10)),
             idle_poll_max: Duration::from_millis(cli.idle_poll_max_ms.max(1)),
             retry: cli.services.queue.retry_policy(),
@@ -262,6 +266,7 @@ async fn run() -> anyhow::Result<()> {
                     embed_tokens: cli.embed_batch_tokens.map(|n| n.max(1)),
                     generate_tokens: cli.generate_batch_tokens.max(1),
                 },
+                engine::memory::MemoryProbe::for_device(&cli.device),
             ))
         }),
     });
@@ -297,7 +302,7 @@ async fn run() -> anyhow::Result<()> {
     let loops: Vec<_> = (0..cli.concurrency.max(1))
         .map(|_| tokio::spawn(runner.clone().run_loop(shutdown_rx.clone(), abort_rx.clone())))
         .collect();
-    tracing::info!(worker_id = %worker_id, kinds = ?kinds, batch_size = cli.batch_size, concurrency = cli.concurrency, "tern-worker ready");
+    tracing::info!(worker_id = %worker_id, kinds = ?kinds, batch_size = ?cli.batch_size, concurrency = cli.concurrency, "tern-worker ready");
 
     shutdown_signal().await;
     tracing::info!(grace_ms = cli.shutdown_grace_ms, "stopping: no more pulls; finishing the batches in hand");

@@ -22,7 +22,17 @@ async fn metrics(State(engine): State<Option<Arc<Engine>>>) -> impl IntoResponse
         metrics::counter!("tern_model_load_failures_total").absolute(r.load_failures);
         for m in &r.models {
             metrics::gauge!("tern_model_resident_bytes", "model" => m.name.clone()).set(m.bytes as f64);
+            metrics::gauge!("tern_model_unit_bytes", "model" => m.name.clone()).set(m.unit_bytes as f64);
         }
+        let b = engine.batching();
+        for (family, budget) in b.budgets.as_object().into_iter().flatten() {
+            metrics::gauge!("tern_engine_batch_budget", "budget" => family.clone()).set(budget.as_f64().unwrap_or(0.0));
+        }
+        if let Some(free) = b.free_bytes {
+            metrics::gauge!("tern_engine_device_free_bytes").set(free as f64);
+        }
+        // Only grows: the busy fraction over an interval is its rise over the interval's length.
+        metrics::gauge!("tern_engine_busy_seconds").set(b.busy_seconds);
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

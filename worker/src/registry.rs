@@ -38,6 +38,7 @@ impl Registry {
             "cache": report.as_ref().map(|r| serde_json::json!({
                 "hits": r.hits, "misses": r.misses, "evictions": r.evictions, "load_failures": r.load_failures,
             })),
+            "batching": engine.map(Engine::batching),
             "optimisations": self.optimisations,
             "batch_in_hand": self.in_hand.load(Ordering::Relaxed),
             "jobs_done": self.done.load(Ordering::Relaxed),

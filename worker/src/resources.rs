@@ -36,8 +36,8 @@ pub fn default_budget(device: &candle_core::Device) -> u64 {
     }
 }
 
-/// Free memory of a CUDA device; `None` for other devices.
-fn device_free_bytes(device: &candle_core::Device) -> Option<u64> {
+/// Free memory of a CUDA device from its driver; `None` for other devices.
+pub fn device_free_bytes(device: &candle_core::Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(cuda) = device {
         return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, _total)| free as u64);

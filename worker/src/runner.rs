@@ -18,13 +18,20 @@ use uuid::Uuid;
 use tern_jobs::{Failure, Job, JobKind, JobState, ObjectStore, Queue, RetryPolicy, Store};
 use tokio::sync::{watch, Notify, Semaphore};
 
+/// Jobs per batch of echo jobs, and the fewest per batch of model jobs, unless configured.
+pub const DEFAULT_BATCH_SIZE: usize = 64;
+/// Most jobs per batch of model jobs unless configured: a GPU's budget can be thousands of
+/// tokens, each a job at worst.
+pub const MAX_MODEL_BATCH_JOBS: usize = 1024;
+
 /// How the worker pulls and runs batches.
 #[derive(Debug, Clone)]
 pub struct RunnerSettings {
     pub worker_id: String,
     pub kinds: Vec<JobKind>,
-    /// Most jobs per batch.
-    pub batch_size: usize,
+    /// Most jobs per batch; `None`: [`DEFAULT_BATCH_SIZE`] for echo, the cost budget for model
+    /// kinds (within [`DEFAULT_BATCH_SIZE`]..=[`MAX_MODEL_BATCH_JOBS`]).
+    pub batch_size: Option<usize>,
     /// Cost budget per batch of kinds without a model (echo). Model kinds take theirs from the
     /// engine: windows, padded tokens, or prompt + max tokens.
     pub batch_budget: i64,
@@ -75,7 +82,8 @@ impl Runner {
             let woken = self.wake.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            match self.queue.pull(kind, self.settings.batch_size, self.batch_budget(kind)).await {
+            let budget = self.batch_budget(kind);
+            match self.queue.pull(kind, self.max_jobs(kind, budget), budget).await {
                 Ok(leases) if !leases.is_empty() => {
                     idle = Duration::from_millis(1);
                     if let Err(e) = self.run_batch(kind, leases, abort.clone()).await {
@@ -101,6 +109,14 @@ impl Runner {
                     }
                 }
             }
+        }
+    }
+
+    fn max_jobs(&self, kind: JobKind, budget: i64) -> usize {
+        match (self.settings.batch_size, Family::of_kind(kind)) {
+            (Some(n), _) => n,
+            (None, Some(_)) => (budget.max(0) as usize).clamp(DEFAULT_BATCH_SIZE, MAX_MODEL_BATCH_JOBS),
+            (None, None) => DEFAULT_BATCH_SIZE,
         }
     }
 

@@ -305,10 +305,28 @@ struct Pending {
 }
 
 /// A recording for [`Whisper::transcribe_continuous`]: 16 kHz mono PCM and its options, borrowed
-/// or owned (owned ones are dropped as soon as the recording is answered).
+/// or owned (the model lets go of them as soon as the recording is answered).
 pub struct TranscribeInput<'a> {
-    pub pcm: Cow<'a, [f32]>,
+    pub pcm: Pcm<'a>,
     pub options: Cow<'a, TranscribeOptions>,
+}
+
+/// The samples of a [`TranscribeInput`]: borrowed, or shared with a caller that keeps them to
+/// run the recording again (a worker does, when a batch runs out of device memory).
+pub enum Pcm<'a> {
+    Borrowed(&'a [f32]),
+    Shared(std::sync::Arc<Vec<f32>>),
+}
+
+impl std::ops::Deref for Pcm<'_> {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            Pcm::Borrowed(samples) => samples,
+            Pcm::Shared(samples) => samples,
+        }
+    }
 }
 
 /// Input `i`, which is not answered yet: work of answered inputs is never looked at.
@@ -539,7 +557,7 @@ impl Whisper {
         canceled: &dyn Fn(usize) -> bool,
         progress: &mut dyn FnMut(usize, usize, usize),
     ) -> Vec<Result<Transcript>> {
-        let mut all = Some(inputs.iter().map(|&(pcm, options)| TranscribeInput { pcm: Cow::Borrowed(pcm), options: Cow::Borrowed(options) }).collect::<Vec<_>>());
+        let mut all = Some(inputs.iter().map(|&(pcm, options)| TranscribeInput { pcm: Pcm::Borrowed(pcm), options: Cow::Borrowed(options) }).collect::<Vec<_>>());
         let mut results: Vec<Option<Result<Transcript>>> = inputs.iter().map(|_| None).collect();
         self.transcribe_continuous(window_batch, &mut || all.take().unwrap_or_default(), canceled, progress, &mut |i, r| results[i] = Some(r));
         results.into_iter().map(|r| r.expect("every input is answered")).collect()

@@ -2,12 +2,15 @@
 //! worker, Whisper on candle, S3), in audio seconds transcribed per wall-clock second.
 //!
 //! Two workloads, each at several worker batch budgets (`TERN_TRANSCRIBE_BATCH_WINDOWS`, in 30 s
-//! windows; windows of several jobs are encoded and decoded together up to it):
+//! windows; windows of several jobs are encoded and decoded together up to it; `measured` leaves
+//! it to the worker, which sizes batches from the memory it measured):
 //! - short: `--clips` LibriVox clips of 3-7 s, submitted together;
 //! - long: one recording of about `--long-seconds` seconds, built from the clips with pauses.
 //!
 //! The clock runs from the submit to the last job's success; the worker is started (and its
-//! model loaded by a warm-up job) before the clock starts.
+//! model loaded by a warm-up job) before the clock starts. Beside each figure, the share of that
+//! time the worker's model thread was busy in model calls (its `tern_engine_busy_seconds`
+//! gauge): on a GPU, how busy the service keeps the device.
 
 use anyhow::{Context, Result};
 use base64::Engine;
@@ -26,9 +29,10 @@ struct Args {
     /// Length of the long recording, seconds.
     #[arg(long, default_value_t = 120.0)]
     long_seconds: f64,
-    /// Worker batch budgets to measure, in 30 s windows, comma-separated.
+    /// Worker batch budgets to measure, in 30 s windows, comma-separated; `measured` for the
+    /// worker's own, sized by the memory it measured.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
-    budgets: Vec<u32>,
+    budgets: Vec<String>,
     /// Whisper model folder under the models directory.
     #[arg(long, default_value = "whisper-tiny.en")]
     model: String,
@@ -40,6 +44,29 @@ struct Args {
 
 fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The worker's model-thread busy seconds, from its `/metrics`.
+async fn busy_seconds(metrics: &str) -> Result<f64> {
+    let text = reqwest::get(metrics).await?.text().await?;
+    let line = text.lines().find(|l| l.starts_with("tern_engine_busy_seconds ")).context("no tern_engine_busy_seconds in the worker's metrics")?;
+    Ok(line.rsplit(' ').next().unwrap_or_default().parse()?)
+}
+
+/// A run's figures: seconds from the submit to the last job's `finished_at`, and the share of
+/// them the model thread was busy.
+struct Timed {
+    seconds: f64,
+    busy: f64,
+}
+
+/// [`run`], with the busy share read from the worker's metrics at `metrics`.
+async fn timed(cluster: &Cluster, jobs: &[Value], what: &str, metrics: &str) -> Result<Timed> {
+    let busy_before = busy_seconds(metrics).await?;
+    let seconds = run(cluster, jobs, what).await?;
+    // The gauge is read at scrape time; the last batch's time is in once its jobs settled.
+    let busy = busy_seconds(metrics).await? - busy_before;
+    Ok(Timed { seconds, busy: busy / seconds })
 }
 
 /// Submits the jobs, waits until all succeeded; returns seconds from the submit to the last
@@ -104,30 +131,44 @@ async fn main() -> Result<()> {
         "tern-bench-transcribe: {}, {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording",
         args.model, args.clips
     );
-    println!("{:>14} {:>22} {:>22}", "batch budget", "short clips audio-s/s", "long file audio-s/s");
+    println!("{:>14} {:>22} {:>6} {:>22} {:>6}", "batch budget", "short clips audio-s/s", "busy", "long file audio-s/s", "busy");
     for budget in &args.budgets {
         // TERN_BENCH_API_LOG=info shows each request and its latency in the API's log.
         let api_log = std::env::var("TERN_BENCH_API_LOG").unwrap_or_else(|_| "warn".into());
         let mut cluster = Cluster::start(&[("TERN_LOG", &api_log)]).await?;
-        let budget_s = budget.to_string();
         // TERN_BENCH_WORKER_LOG=info shows each model batch in the worker's log.
         let worker_log = std::env::var("TERN_BENCH_WORKER_LOG").unwrap_or_else(|_| "warn".into());
-        let _worker = cluster.spawn_worker(&[
-            ("TERN_LOG", &worker_log),
-            ("TERN_TRANSCRIBE_BATCH_WINDOWS", &budget_s),
+        let metrics_addr = format!("127.0.0.1:{}", tern_e2e::free_port());
+        let metrics = format!("http://{metrics_addr}/metrics");
+        let mut env = vec![
+            ("TERN_LOG", worker_log.as_str()),
             ("TERN_WORKER_KINDS", "transcribe"),
             ("TERN_WHISPER_MODEL", &args.model),
             ("TERN_DEVICE", &args.device),
-        ])?;
+            ("TERN_METRICS_ADDR", &metrics_addr),
+        ];
+        if budget != "measured" {
+            budget.parse::<u32>().with_context(|| format!("budget {budget:?}: a number of windows or `measured`"))?;
+            env.push(("TERN_TRANSCRIBE_BATCH_WINDOWS", budget));
+        }
+        let _worker = cluster.spawn_worker(&env)?;
         // Warm-up: the model loads on its first job.
         run(&cluster, &[json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&clips[0])}}})], "warm-up").await?;
         let jobs: Vec<Value> = short
             .iter()
             .map(|i| json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&clips[*i])}}}))
             .collect();
-        let short_secs = run(&cluster, &jobs, "short clips").await?;
-        let long_secs = run(&cluster, &[json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&long_wav)}}})], "long file").await?;
-        println!("{:>14} {:>22.2} {:>22.2}", budget, short_seconds / short_secs, long_seconds / long_secs);
+        let short = timed(&cluster, &jobs, "short clips", &metrics).await?;
+        let long_job = [json!({"kind": "transcribe", "input": {"audio": {"base64": b64(&long_wav)}}})];
+        let long = timed(&cluster, &long_job, "long file", &metrics).await?;
+        println!(
+            "{:>14} {:>22.2} {:>5.0}% {:>22.2} {:>5.0}%",
+            budget,
+            short_seconds / short.seconds,
+            short.busy * 100.0,
+            long_seconds / long.seconds,
+            long.busy * 100.0
+        );
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The models resident in a worker: loaded on first use, kept within a memory budget, least
 //! recently used evicted first, each warmed up (and its working memory measured) on load.
 
+use super::memory::MemoryProbe;
 use super::EngineError;
 use candle_core::Device;
 use serde::Serialize;
@@ -90,7 +91,8 @@ pub struct ModelCache {
 
 impl ModelCache {
     /// `dir`: the models directory (each model is a folder in it); `budget`: bytes;
-    /// `warmup_windows`: the largest Whisper batch, which each Whisper model runs on load.
+    /// `warmup_windows`: the largest Whisper batch, which each Whisper model runs on load;
+    /// `probe`: what measures the working memory of that warmup.
     pub fn new(
         dir: PathBuf,
         runtime: tokio::runtime::Handle,
@@ -98,10 +100,11 @@ impl ModelCache {
         precision: Precision,
         budget: u64,
         warmup_windows: usize,
+        probe: MemoryProbe,
         report: Arc<Mutex<CacheReport>>,
     ) -> ModelCache {
         report.lock().expect("not poisoned").budget_bytes = budget;
-        let source = Source { dir, runtime, device, precision, warmup_windows };
+        let source = Source { dir, runtime, device, precision, warmup_windows, probe };
         ModelCache { source, budget, entries: HashMap::new(), clock: 0, report }
     }
 
@@ -114,14 +117,9 @@ impl ModelCache {
         self.entries.values().map(|e| e.bytes).sum()
     }
 
-    /// The working memory per cost unit measured when `name` was loaded, if it is resident.
-    pub fn unit_bytes(&self, name: &str) -> Option<u64> {
-        self.entries.get(name).map(|e| e.unit_bytes)
-    }
-
     /// The model `name` (a folder under the models directory, or a hub id `hf:OWNER/NAME`),
-    /// loading it first if needed.
-    pub fn get(&mut self, family: Family, name: &str) -> Result<&mut Model, EngineError> {
+    /// loading it first if needed, and its working memory per cost unit measured at warmup.
+    pub fn get(&mut self, family: Family, name: &str) -> Result<(&mut Model, u64), EngineError> {
         self.clock += 1;
         let clock = self.clock;
         if self.entries.contains_key(name) {
@@ -130,7 +128,8 @@ impl ModelCache {
             e.hits += 1;
             self.report.lock().expect("not poisoned").hits += 1;
             self.publish();
-            return Ok(&mut self.entries.get_mut(name).expect("checked").model);
+            let e = self.entries.get_mut(name).expect("checked");
+            return Ok((&mut e.model, e.unit_bytes));
         }
         self.report.lock().expect("not poisoned").misses += 1;
         let loaded = self.source.locate(family, name, self.budget).and_then(|(dir, estimate)| {
@@ -140,7 +139,10 @@ impl ModelCache {
             self.source.load(family, name, &dir)
         });
         match loaded {
-            Ok(loaded) => Ok(self.install(name, loaded)),
+            Ok(loaded) => {
+                let unit_bytes = loaded.unit_bytes;
+                Ok((self.install(name, loaded), unit_bytes))
+            }
             Err(e) => {
                 self.report.lock().expect("not poisoned").load_failures += 1;
                 Err(e)
@@ -221,6 +223,8 @@ pub struct Source {
     precision: Precision,
     /// Windows of the Whisper warmup batch: the largest batch the worker runs.
     warmup_windows: usize,
+    /// Measures each warmup's working memory.
+    probe: MemoryProbe,
 }
 
 impl Source {
@@ -246,7 +250,7 @@ impl Source {
     pub fn load(&self, family: Family, name: &str, dir: &Path) -> Result<Loaded, EngineError> {
         let started = Instant::now();
         let loaded = load(family, dir, &self.device, self.precision).and_then(|mut model| {
-            let unit_bytes = warmup(&mut model, self.warmup_windows).map_err(|e| e.context("warmup failed"))?;
+            let unit_bytes = warmup(&mut model, self.warmup_windows, &self.probe).map_err(|e| e.context("warmup failed"))?;
             Ok((model, unit_bytes))
         });
         let (model, unit_bytes) = loaded.map_err(|e| {
@@ -282,6 +286,11 @@ fn estimate_bytes(family: Family, dir: &Path, whisper_dtype: candle_core::DType)
 fn load(family: Family, dir: &Path, device: &Device, precision: Precision) -> anyhow::Result<Model> {
     Ok(match family {
         Family::Whisper => Model::Whisper(Whisper::load_ct2_in(dir, device, precision)?),
+        // Half precision on the CPU is for Whisper only: candle's CPU kernels are slow at it
+        // and the embedder's BF16 products (under `Auto`) are the fast path there.
+        Family::Embedder if device.is_cpu() && matches!(precision, Precision::F16 | Precision::Bf16) => {
+            Model::Embedder(Embedder::load_in(dir, device, Precision::Auto)?)
+        }
         Family::Embedder => Model::Embedder(Embedder::load_in(dir, device, precision)?),
         Family::Llm => Model::Llm(Llm::load_gguf(dir, device)?),
     })
@@ -293,54 +302,33 @@ const EMBED_WARMUP_TEXTS: usize = 8;
 const LLM_WARMUP_TOKENS: usize = 8;
 
 /// Runs a batch through the model and returns the peak working memory per cost unit it took
-/// (bytes per window or per token), measured as the growth of the process's peak resident set
-/// (Linux; elsewhere a size-based figure). Whisper runs the largest batch the worker will run
-/// (`windows` full 30 s windows: about 2.5 s for tiny.en on 2 AVX-512 cores), so a model that
-/// cannot hold it is refused at load, and its working memory is already mapped (and kept, see
-/// `tern_models::allocator`) when the first real batch comes. GPU memory does not show in the
-/// resident set: on a GPU the figure counts host memory only (about 12 MB per Whisper window on
-/// an H100), so batches take their ceilings, which this warmup proved to fit.
-fn warmup(model: &mut Model, windows: usize) -> anyhow::Result<u64> {
-    let baseline = peak_rss::reset();
-    let units = match model {
-        Model::Whisper(m) => {
-            m.warmup(windows)?;
-            windows as u64
-        }
-        Model::Embedder(m) => {
-            let text = "tern warms this model up with a sentence of about sixty four tokens. ".repeat(4);
-            let texts: Vec<&str> = (0..EMBED_WARMUP_TEXTS).map(|_| text.as_str()).collect();
-            let v = m.embed(&texts)?;
-            anyhow::ensure!(v.iter().flatten().all(|x| x.is_finite()), "non-finite embedding");
-            m.count_tokens(&texts)?.iter().sum::<usize>() as u64
-        }
-        Model::Llm(m) => {
-            use tern_models::generate::{GenerateOptions, Prompt};
-            let prompt = Prompt::Text("tern warmup".into());
-            let opts = GenerateOptions { max_tokens: LLM_WARMUP_TOKENS, temperature: 0.0, ..Default::default() };
-            let g = m.generate(&prompt, &opts, &mut |_, _| true)?;
-            (g.prompt_tokens + g.completion_tokens) as u64
-        }
-    };
-    let grown = match (baseline, peak_rss::peak()) {
-        (Some(before), Some(peak)) => peak.saturating_sub(before),
-        _ => 0,
-    };
-    // A floor keeps a budget from growing without bound when the allocator reused memory.
-    Ok((grown / units.max(1)).max(64 * 1024 / units.max(1)).max(1))
-}
-
-/// Peak resident set of this process, from `/proc/self/status` (Linux).
-mod peak_rss {
-    use crate::resources::process_status_bytes;
-
-    /// Resets the peak to the current resident set (writes 5 to clear_refs) and returns it.
-    pub fn reset() -> Option<u64> {
-        std::fs::write("/proc/self/clear_refs", "5").ok()?;
-        process_status_bytes("VmRSS:")
-    }
-
-    pub fn peak() -> Option<u64> {
-        process_status_bytes("VmHWM:")
-    }
+/// (bytes per window or per token), as `probe` measures it: the fall of the device's free
+/// memory on a GPU, the growth of the process's peak resident set on the CPU. Whisper runs the
+/// largest batch the worker starts with (`windows` full 30 s windows: about 2.5 s for tiny.en
+/// on 2 AVX-512 cores), so a model that cannot hold it is refused at load, and its working
+/// memory is already mapped (and kept, see `tern_models::allocator`) when the first real batch
+/// comes.
+fn warmup(model: &mut Model, windows: usize, probe: &MemoryProbe) -> anyhow::Result<u64> {
+    probe.measure(&mut || {
+        Ok(match model {
+            Model::Whisper(m) => {
+                m.warmup(windows)?;
+                windows as u64
+            }
+            Model::Embedder(m) => {
+                let text = "tern warms this model up with a sentence of about sixty four tokens. ".repeat(4);
+                let texts: Vec<&str> = (0..EMBED_WARMUP_TEXTS).map(|_| text.as_str()).collect();
+                let v = m.embed(&texts)?;
+                anyhow::ensure!(v.iter().flatten().all(|x| x.is_finite()), "non-finite embedding");
+                m.count_tokens(&texts)?.iter().sum::<usize>() as u64
+            }
+            Model::Llm(m) => {
+                use tern_models::generate::{GenerateOptions, Prompt};
+                let prompt = Prompt::Text("tern warmup".into());
+                let opts = GenerateOptions { max_tokens: LLM_WARMUP_TOKENS, temperature: 0.0, ..Default::default() };
+                let g = m.generate(&prompt, &opts, &mut |_, _| true)?;
+                (g.prompt_tokens + g.completion_tokens) as u64
+            }
+        })
+    })
 }

@@ -7,8 +7,10 @@
 pub mod cache;
 pub mod health;
 mod hub;
+pub mod memory;
 
 use cache::{CacheReport, Family, Loaded, Model, ModelCache, Source};
+use memory::MemoryProbe;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -16,7 +18,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tern_models::generate::{GenerateError, GenerateOptions, Generation, GenerationRequest, Prompt};
 use std::borrow::Cow;
-use tern_models::whisper::{TranscribeInput, TranscribeOptions, Transcript};
+use tern_models::whisper::{Pcm, TranscribeInput, TranscribeOptions, Transcript};
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
 /// Which model folder (under the models directory) serves each family.
@@ -62,11 +64,13 @@ pub struct Served<T> {
 /// Limits of the batches the engine runs.
 #[derive(Debug, Clone)]
 pub struct BatchLimits {
-    /// Most Whisper windows encoded and decoded together. `None`: calibrated at load from the
-    /// memory left in the budget and the memory per window measured at warmup, at most 16.
+    /// Most Whisper windows encoded and decoded together. `None`: calibrated after each batch
+    /// from the memory free (the device's, on a GPU; the budget's) and the memory per window
+    /// measured at warmup, at most 16 on the CPU (where more rows stop paying) and 1,024 on a
+    /// GPU; halved when a batch runs out of memory.
     pub windows: Option<usize>,
     /// Most padded tokens of embedding texts pulled in one batch. `None`: calibrated, at most
-    /// 32768.
+    /// 32,768 on the CPU and 1,048,576 on a GPU (where one forward pass takes the whole batch).
     pub embed_tokens: Option<usize>,
     /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight
     /// in a running generation batch (requests pulled later join it between decoding steps
@@ -110,7 +114,9 @@ type Reply<T> = oneshot::Sender<Result<Served<T>, EngineError>>;
 
 enum Request {
     Transcribe {
-        pcm: Vec<f32>,
+        /// Shared with the model while it runs, kept to run the recording again if its batch
+        /// runs out of memory.
+        pcm: Arc<Vec<f32>>,
         options: TranscribeOptions,
         progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
         /// Set when the job is canceled or released: its remaining windows are skipped.
@@ -160,9 +166,47 @@ const LINGER: Duration = Duration::from_millis(15);
 const LINGER_MAX: Duration = Duration::from_millis(150);
 /// Windows per batch until the Whisper model's warmup has measured what fits.
 const DEFAULT_WINDOWS: usize = 8;
-/// Ceilings on calibrated batch sizes.
-const MAX_WINDOWS: usize = 16;
-const MAX_EMBED_TOKENS: usize = 32_768;
+/// Windows of the Whisper warmup: the probe batch whose memory is measured, and the largest
+/// batch a CPU worker runs.
+const WARMUP_WINDOWS: usize = 16;
+
+/// Ceilings on calibrated batch sizes. On the CPU a batch is compute-bound past 16 windows (the
+/// products are already at the kernel's peak) and 8,192 tokens per forward pass; on a GPU
+/// memory is the bound.
+#[derive(Debug, Clone, Copy)]
+struct Ceilings {
+    windows: usize,
+    embed_tokens: usize,
+}
+
+const CPU_CEILINGS: Ceilings = Ceilings { windows: 16, embed_tokens: 32_768 };
+const DEVICE_CEILINGS: Ceilings = Ceilings { windows: 1024, embed_tokens: 1 << 20 };
+
+/// What the model thread did, for metrics and the admin's system view.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Nanoseconds spent in model calls (encoding, decoding, embedding, generating): over the
+    /// wall clock, how busy the device was.
+    pub busy_ns: AtomicU64,
+    /// Batches that ran out of memory and were split.
+    pub oom_splits: AtomicU64,
+}
+
+/// How the engine sizes batches, as the worker reports it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BatchingReport {
+    /// What measures memory: `cuda` (the driver's free memory), `host` (peak resident set),
+    /// `fixed` (tests).
+    pub probe: &'static str,
+    /// Memory batches may still take now, where the probe can tell (a GPU).
+    pub free_bytes: Option<u64>,
+    /// The cost pulled per batch: windows, padded tokens, prompt + max tokens.
+    pub budgets: serde_json::Value,
+    /// Batches split because they ran out of memory.
+    pub oom_splits: u64,
+    /// Seconds the model thread spent in model calls.
+    pub busy_seconds: f64,
+}
 
 /// Handle to the model thread. Cheap to share behind an `Arc`.
 pub struct Engine {
@@ -179,11 +223,15 @@ pub struct Engine {
     windows: Arc<AtomicI64>,
     embed_tokens: Arc<AtomicI64>,
     generate_tokens: i64,
+    probe: MemoryProbe,
+    pub stats: Arc<EngineStats>,
 }
 
 impl Engine {
     /// Starts the thread; models load on first use. `budget`: bytes the resident models and
-    /// their batches may use. Call from within the tokio runtime (hub downloads run on it).
+    /// their batches may use; `probe`: what measures the memory batches take and have left
+    /// ([`MemoryProbe::for_device`] but in tests). Call from within the tokio runtime (hub
+    /// downloads run on it).
     pub fn start(
         models_dir: PathBuf,
         device: candle_core::Device,
@@ -191,13 +239,16 @@ impl Engine {
         names: ModelNames,
         budget: u64,
         limits: BatchLimits,
+        probe: MemoryProbe,
     ) -> Engine {
         let (tx, rx) = mpsc::channel::<Request>();
         let report = Arc::new(Mutex::new(CacheReport::default()));
         let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
         let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
         let names = Arc::new(Mutex::new(names));
-        let warmup_windows = limits.windows.unwrap_or(MAX_WINDOWS);
+        let ceilings = if device.is_cuda() { DEVICE_CEILINGS } else { CPU_CEILINGS };
+        let warmup_windows = limits.windows.unwrap_or(WARMUP_WINDOWS).min(WARMUP_WINDOWS);
+        let stats = Arc::new(EngineStats::default());
         let cache = ModelCache::new(
             models_dir,
             tokio::runtime::Handle::current(),
@@ -205,6 +256,7 @@ impl Engine {
             precision,
             budget,
             warmup_windows,
+            probe.clone(),
             report.clone(),
         );
         let source = cache.source();
@@ -219,6 +271,10 @@ impl Engine {
             windows: windows.clone(),
             embed_tokens: embed_tokens.clone(),
             backlog: VecDeque::new(),
+            probe: probe.clone(),
+            stats: stats.clone(),
+            ceilings,
+            caps: Ceilings { windows: usize::MAX, embed_tokens: usize::MAX },
         };
         std::thread::Builder::new()
             .name("model-engine".into())
@@ -234,6 +290,23 @@ impl Engine {
             windows,
             embed_tokens,
             generate_tokens: limits.generate_tokens as i64,
+            probe,
+            stats,
+        }
+    }
+
+    /// How batches are sized now.
+    pub fn batching(&self) -> BatchingReport {
+        BatchingReport {
+            probe: self.probe.name(),
+            free_bytes: self.probe.free_bytes(),
+            budgets: serde_json::json!({
+                "transcribe_windows": self.batch_budget(Family::Whisper),
+                "embed_tokens": self.batch_budget(Family::Embedder),
+                "generate_tokens": self.batch_budget(Family::Llm),
+            }),
+            oom_splits: self.stats.oom_splits.load(Ordering::Relaxed),
+            busy_seconds: self.stats.busy_ns.load(Ordering::Relaxed) as f64 / 1e9,
         }
     }
 
@@ -295,7 +368,7 @@ impl Engine {
         stop: Arc<AtomicBool>,
     ) -> Result<Served<Transcript>, EngineError> {
         let (reply, answer) = oneshot::channel();
-        self.send(Request::Transcribe { pcm, options, progress, stop, reply })?;
+        self.send(Request::Transcribe { pcm: Arc::new(pcm), options, progress, stop, reply })?;
         Self::answer(answer).await
     }
 
@@ -331,6 +404,13 @@ struct Thread {
     embed_tokens: Arc<AtomicI64>,
     /// Requests that arrived while a group of another family was gathering.
     backlog: VecDeque<Request>,
+    probe: MemoryProbe,
+    stats: Arc<EngineStats>,
+    /// Largest calibrated batches on this device.
+    ceilings: Ceilings,
+    /// Half of the last batch of each family that ran out of memory (unbounded until one does):
+    /// calibrated and configured sizes stay under it.
+    caps: Ceilings,
 }
 
 impl Thread {
@@ -389,99 +469,159 @@ impl Thread {
         current(&self.names, family)
     }
 
-    /// Publishes the batch size the memory left in the budget allows.
-    fn calibrate(&self, name: &str, limit: Option<usize>, ceiling: usize, target: &AtomicI64) {
+    /// Publishes the batch size the memory free allows: the budget's, less the resident models,
+    /// and on a GPU also the device's; within `ceiling`.
+    fn calibrate(&self, unit_bytes: u64, limit: Option<usize>, ceiling: usize, target: &AtomicI64) {
         if limit.is_some() {
             return;
         }
-        if let Some(unit) = self.cache.unit_bytes(name) {
-            let fits = (self.cache.free_bytes() / unit.max(1)) as usize;
-            target.store(fits.clamp(1, ceiling) as i64, Ordering::Relaxed);
-        }
+        let free = match self.probe.free_bytes() {
+            Some(device) => device.min(self.cache.free_bytes()),
+            None => self.cache.free_bytes(),
+        };
+        let fits = (free / unit_bytes.max(1)) as usize;
+        target.store(fits.clamp(1, ceiling) as i64, Ordering::Relaxed);
+    }
+
+    /// Counts a batch that ran out of memory and lowers `cap` (and the published budget) to
+    /// `half`, so later batches are pulled at that size.
+    fn split(&self, family: Family, half: usize, target: &AtomicI64, error: &str) {
+        self.stats.oom_splits.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("tern_engine_oom_splits_total", "family" => format!("{family:?}").to_lowercase()).increment(1);
+        target.fetch_min(half as i64, Ordering::Relaxed);
+        tracing::warn!(?family, half, error, "batch ran out of memory: running it again at half size");
+    }
+
+    /// Adds the time since `started` to the model thread's busy time.
+    fn busy_since(stats: &EngineStats, started: Instant) {
+        stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Runs the transcription requests of `group` and lets more join while they decode
     /// (continuous batching, [`tern_models::whisper::Whisper::transcribe_continuous`]):
     /// transcription requests waiting on `rx` join whenever the batch runs short of windows,
     /// until a request of another family waits; each reply goes out as soon as its recording
-    /// is transcribed.
+    /// is transcribed. Recordings whose batch ran out of memory (or would have: the probe's
+    /// free memory cannot hold its windows) run again at half the windows, which become the
+    /// budget's cap; only at one window does running out of memory fail them.
     fn transcribe(&mut self, group: Vec<Request>, rx: &mpsc::Receiver<Request>) {
         let name = self.name_of(Family::Whisper);
-        let model = match self.cache.get(Family::Whisper, &name) {
-            Ok(Model::Whisper(m)) => m,
-            Ok(_) => unreachable!("the cache returns the family asked for"),
-            Err(e) => {
-                for r in group {
-                    if let Request::Transcribe { reply, .. } = r {
-                        let _ = reply.send(Err(e.clone()));
-                    }
-                }
-                return;
-            }
-        };
-        let window_batch = self.limits.windows.unwrap_or(self.windows.load(Ordering::Relaxed) as usize);
-        type Job = (tokio_mpsc::UnboundedSender<(usize, usize)>, Arc<AtomicBool>, Reply<Transcript>);
-        // Per request number, until it is answered.
-        let jobs: std::cell::RefCell<Vec<Option<Job>>> = Default::default();
-        let mut waiting: Vec<Request> = group;
+        let mut window_batch = self.limits.windows.unwrap_or(self.windows.load(Ordering::Relaxed) as usize).min(self.caps.windows);
+        let mut pending = group;
         let mut installs = Vec::new();
-        let backlog = &mut self.backlog;
-        let mut first_call = true;
-        let mut joined_late = 0usize;
-        let mut admit = || -> Vec<TranscribeInput<'static>> {
-            if !first_call {
-                // Newcomers, unless another family or a model swap is waiting for the model
-                // thread: then the batch drains and that goes next.
-                while backlog.is_empty() && installs.is_empty() {
-                    match rx.try_recv() {
-                        Ok(r @ Request::Transcribe { .. }) => {
-                            joined_late += 1;
-                            waiting.push(r);
+        let mut unit = 0;
+        while !pending.is_empty() {
+            let (model, unit_bytes) = match self.cache.get(Family::Whisper, &name) {
+                Ok((Model::Whisper(m), unit)) => (m, unit),
+                Ok(_) => unreachable!("the cache returns the family asked for"),
+                Err(e) => {
+                    for r in pending {
+                        if let Request::Transcribe { reply, .. } = r {
+                            let _ = reply.send(Err(e.clone()));
                         }
-                        Ok(Request::Install { family, name, loaded, reply }) => installs.push((family, name, loaded, reply)),
-                        Ok(r) => backlog.push_back(r),
-                        Err(_) => break,
                     }
+                    return;
+                }
+            };
+            unit = unit_bytes;
+            // Recordings to run again at half the windows.
+            let mut again: Vec<Request> = Vec::new();
+            let mut out_of_memory = None;
+            if let Err(e) = memory::reserve(&self.probe, window_batch, unit_bytes) {
+                out_of_memory = Some(e.to_string());
+                again = pending;
+            } else {
+                type Job = (Arc<Vec<f32>>, TranscribeOptions, tokio_mpsc::UnboundedSender<(usize, usize)>, Arc<AtomicBool>, Reply<Transcript>);
+                // Per request number, until it is answered.
+                let jobs: std::cell::RefCell<Vec<Option<Job>>> = Default::default();
+                let mut waiting: Vec<Request> = pending;
+                let backlog = &mut self.backlog;
+                let mut first_call = true;
+                let mut joined_late = 0usize;
+                let mut admit = || -> Vec<TranscribeInput<'static>> {
+                    if !first_call {
+                        // Newcomers, unless another family or a model swap is waiting for the
+                        // model thread: then the batch drains and that goes next.
+                        while backlog.is_empty() && installs.is_empty() {
+                            match rx.try_recv() {
+                                Ok(r @ Request::Transcribe { .. }) => {
+                                    joined_late += 1;
+                                    waiting.push(r);
+                                }
+                                Ok(Request::Install { family, name, loaded, reply }) => installs.push((family, name, loaded, reply)),
+                                Ok(r) => backlog.push_back(r),
+                                Err(_) => break,
+                            }
+                        }
+                    }
+                    first_call = false;
+                    waiting
+                        .drain(..)
+                        .filter_map(|r| match r {
+                            Request::Transcribe { pcm, options, progress, stop, reply } => {
+                                let input = TranscribeInput { pcm: Pcm::Shared(pcm.clone()), options: Cow::Owned(options.clone()) };
+                                jobs.borrow_mut().push(Some((pcm, options, progress, stop, reply)));
+                                Some(input)
+                            }
+                            _ => None,
+                        })
+                        .collect()
+                };
+                let canceled = |i: usize| jobs.borrow()[i].as_ref().is_some_and(|(_, _, _, stop, _)| stop.load(Ordering::Relaxed));
+                let mut progress = |i: usize, done: usize, total: usize| {
+                    if let Some((_, _, progress, ..)) = &jobs.borrow()[i] {
+                        let _ = progress.send((done, total));
+                    }
+                };
+                let mut served = 0usize;
+                let mut done = |i: usize, result: anyhow::Result<Transcript>| {
+                    let Some((pcm, options, progress, stop, reply)) = jobs.borrow_mut()[i].take() else { return };
+                    match result {
+                        Err(e) if window_batch > 1 && memory::is_out_of_memory(&e) => {
+                            out_of_memory.get_or_insert_with(|| format!("{e:#}"));
+                            again.push(Request::Transcribe { pcm, options, progress, stop, reply });
+                        }
+                        result => {
+                            served += 1;
+                            let served = result.map(|value| Served { value, model: name.clone() });
+                            let _ = reply.send(served.map_err(|e| EngineError::Inference(format!("{e:#}"))));
+                        }
+                    }
+                };
+                let started = Instant::now();
+                model.transcribe_continuous(window_batch, &mut admit, &canceled, &mut progress, &mut done);
+                Self::busy_since(&self.stats, started);
+                drop(admit);
+                drop(done);
+                let model_ms = started.elapsed().as_millis() as u64;
+                let decode = model.last_decode_stats();
+                tracing::info!(recordings = served, joined_late, window_batch, model_ms, steps = decode.steps, windows = decode.seated, joined_running = decode.joined_running, "transcription batch done");
+            }
+            if let Some(error) = out_of_memory {
+                if window_batch == 1 {
+                    // One window does not fit: nothing smaller to try; the jobs retry later.
+                    for r in again.drain(..) {
+                        if let Request::Transcribe { reply, .. } = r {
+                            let _ = reply.send(Err(EngineError::Inference(format!("out of memory at one window: {error}"))));
+                        }
+                    }
+                } else {
+                    window_batch /= 2;
+                    self.caps.windows = window_batch;
+                    self.split(Family::Whisper, window_batch, &self.windows, &error);
                 }
             }
-            first_call = false;
-            waiting
-                .drain(..)
-                .filter_map(|r| match r {
-                    Request::Transcribe { pcm, options, progress, stop, reply } => {
-                        jobs.borrow_mut().push(Some((progress, stop, reply)));
-                        Some(TranscribeInput { pcm: Cow::Owned(pcm), options: Cow::Owned(options) })
-                    }
-                    _ => None,
-                })
-                .collect()
-        };
-        let canceled = |i: usize| jobs.borrow()[i].as_ref().is_some_and(|(_, stop, _)| stop.load(Ordering::Relaxed));
-        let mut progress = |i: usize, done: usize, total: usize| {
-            if let Some((progress, ..)) = &jobs.borrow()[i] {
-                let _ = progress.send((done, total));
-            }
-        };
-        let mut served = 0usize;
-        let mut done = |i: usize, result: anyhow::Result<Transcript>| {
-            let Some((.., reply)) = jobs.borrow_mut()[i].take() else { return };
-            served += 1;
-            let served = result.map(|value| Served { value, model: name.clone() });
-            let _ = reply.send(served.map_err(|e| EngineError::Inference(format!("{e:#}"))));
-        };
-        let started = Instant::now();
-        model.transcribe_continuous(window_batch, &mut admit, &canceled, &mut progress, &mut done);
-        drop(admit);
-        drop(done);
-        let model_ms = started.elapsed().as_millis() as u64;
-        let decode = model.last_decode_stats();
-        tracing::info!(recordings = served, joined_late, window_batch, model_ms, steps = decode.steps, windows = decode.seated, joined_running = decode.joined_running, "transcription batch done");
+            pending = again;
+        }
         for (family, name, loaded, reply) in installs {
             self.install(family, name, *loaded, reply);
         }
-        self.calibrate(&name, self.limits.windows, MAX_WINDOWS, &self.windows);
+        self.calibrate(unit, self.limits.windows, self.ceilings.windows.min(self.caps.windows), &self.windows);
     }
 
+    /// Embeds the texts of every request in `group` in one pass. A pass that runs out of memory
+    /// (or would: the probe's free memory cannot hold its tokens) runs again with half the
+    /// tokens per forward pass, which become the budget's cap.
     fn embed(&mut self, group: Vec<Request>) {
         let mut jobs = Vec::new();
         for r in group {
@@ -490,17 +630,45 @@ impl Thread {
             }
         }
         let name = self.name_of(Family::Embedder);
-        let model = match self.cache.get(Family::Embedder, &name) {
-            Ok(Model::Embedder(m)) => m,
-            Ok(_) => unreachable!("the cache returns the family asked for"),
-            Err(e) => {
-                jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
-                return;
-            }
-        };
         // One pass over every job's texts: the embedder sorts them by length across jobs.
         let all: Vec<&str> = jobs.iter().flat_map(|(t, _)| t.iter().map(String::as_str)).collect();
-        match model.embed(&all) {
+        // On a GPU one forward pass takes the whole pulled batch; the CPU gains nothing past
+        // the embedder's default.
+        let mut per_forward = if self.ceilings.embed_tokens == DEVICE_CEILINGS.embed_tokens {
+            self.embed_tokens.load(Ordering::Relaxed) as usize
+        } else {
+            tern_models::embed::TOKENS_PER_FORWARD
+        }
+        .min(self.caps.embed_tokens);
+        let (result, unit) = loop {
+            let (model, unit_bytes) = match self.cache.get(Family::Embedder, &name) {
+                Ok((Model::Embedder(m), unit)) => (m, unit),
+                Ok(_) => unreachable!("the cache returns the family asked for"),
+                Err(e) => {
+                    jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
+                    return;
+                }
+            };
+            let result = match memory::reserve(&self.probe, per_forward, unit_bytes) {
+                Err(e) => Err(anyhow::Error::new(e)),
+                Ok(()) => {
+                    let started = Instant::now();
+                    let vectors = model.embed_in(&all, per_forward);
+                    Self::busy_since(&self.stats, started);
+                    vectors
+                }
+            };
+            match result {
+                // A text runs alone below its own length: smaller passes would not help.
+                Err(e) if per_forward > tern_models::embed::MAX_TOKENS_PER_TEXT && memory::is_out_of_memory(&e) => {
+                    per_forward /= 2;
+                    self.caps.embed_tokens = per_forward;
+                    self.split(Family::Embedder, per_forward, &self.embed_tokens, &format!("{e:#}"));
+                }
+                result => break (result, unit_bytes),
+            }
+        };
+        match result {
             Ok(vectors) => {
                 let mut vectors = vectors.into_iter();
                 for (texts, reply) in jobs {
@@ -513,7 +681,7 @@ impl Thread {
                 jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
             }
         }
-        self.calibrate(&name, self.limits.embed_tokens, MAX_EMBED_TOKENS, &self.embed_tokens);
+        self.calibrate(unit, self.limits.embed_tokens, self.ceilings.embed_tokens.min(self.caps.embed_tokens), &self.embed_tokens);
     }
 
     /// Runs the generation requests of `group` and lets more join while they decode
@@ -524,7 +692,7 @@ impl Thread {
     fn generate(&mut self, group: Vec<Request>, rx: &mpsc::Receiver<Request>) {
         let name = self.name_of(Family::Llm);
         let model = match self.cache.get(Family::Llm, &name) {
-            Ok(Model::Llm(m)) => m,
+            Ok((Model::Llm(m), _)) => m,
             Ok(_) => unreachable!("the cache returns the family asked for"),
             Err(e) => {
                 for r in group {
@@ -609,6 +777,7 @@ impl Thread {
             let _ = reply.send(result.map(|value| Served { value, model: name.clone() }));
         };
         model.generate_continuous(&mut admit, &mut done);
+        Self::busy_since(&self.stats, started);
         drop(admit);
         drop(done);
         tracing::info!(requests = served, joined_late, model_ms = started.elapsed().as_millis() as u64, "generation batch done");
@@ -636,7 +805,7 @@ mod tests {
         let dir = models_dir();
         let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into() };
         let limits = BatchLimits { windows: Some(4), embed_tokens: None, generate_tokens: 4096 };
-        let engine = Arc::new(Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits));
+        let engine = Arc::new(Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, MemoryProbe::Host));
         let clip = std::fs::read(dir.join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")).expect("test speech: run scripts/models.sh");
         let pcm = tern_models::audio::decode_mono_16k(&clip).unwrap();
         let source = engine.source().clone();
@@ -686,5 +855,54 @@ mod tests {
         let models = models.lock().unwrap();
         assert_eq!(models.last().map(String::as_str), Some("tiny-v2"), "clips after the swap run the new model");
         assert!(models[..12].iter().all(|m| m == "whisper-tiny.en"));
+    }
+
+    /// A batch that runs out of memory (here the probe's free memory cannot hold its windows,
+    /// as a GPU's allocator would refuse them) is run again at half size until it fits: every
+    /// recording is transcribed as it is alone, none fails, and the budget shrinks to what ran.
+    /// The same for an embedding pass, whose tokens per forward pass halve.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_that_runs_out_of_memory_is_split_and_no_job_fails() {
+        let dir = models_dir();
+        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into() };
+        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096 };
+        // The warmup measures 100 MiB per window; 4 GiB are free until the test says otherwise.
+        let (probe, figures) = MemoryProbe::fixed(4 << 30, 100 << 20);
+        let engine = Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names.clone(), 8 << 30, limits.clone(), probe);
+        let clips: Vec<Vec<f32>> = ["sense_and_sensibility_01_austen_64kb-0880.wav", "sense_and_sensibility_01_austen_64kb-0870.wav"]
+            .iter()
+            .map(|f| tern_models::audio::decode_mono_16k(&std::fs::read(dir.join("testdata/librivox").join(f)).expect("test speech: run scripts/models.sh")).unwrap())
+            .collect();
+        let transcribe = |pcm: Vec<f32>| {
+            let (progress, _) = tokio_mpsc::unbounded_channel();
+            engine.transcribe(pcm, TranscribeOptions::default(), progress, Arc::default())
+        };
+        let alone: Vec<String> = futures::future::join_all(clips.iter().map(|c| transcribe(c.clone()))).await.into_iter().map(|t| t.unwrap().value.text).collect();
+        assert_eq!(engine.batch_budget(Family::Whisper), 16, "4 GiB free hold 40 windows of 100 MiB: the CPU's ceiling");
+
+        // 250 MiB free: 16 windows do not fit, nor 8 or 4; 2 do.
+        figures.free_bytes.store(250 << 20, Ordering::Relaxed);
+        let batch: Vec<Vec<f32>> = (0..6).map(|i| clips[i % 2].clone()).collect();
+        let texts = futures::future::join_all(batch.into_iter().map(transcribe)).await;
+        for (i, t) in texts.into_iter().enumerate() {
+            assert_eq!(t.expect("no recording fails for want of memory").value.text, alone[i % 2]);
+        }
+        assert_eq!(engine.stats.oom_splits.load(Ordering::Relaxed), 3, "16 -> 8 -> 4 -> 2 windows");
+        assert_eq!(engine.batch_budget(Family::Whisper), 2, "later pulls take what fitted");
+        assert_eq!(engine.batching().budgets["transcribe_windows"], 2);
+
+        // Embeddings: 1 MiB per token; 3,000 MiB free hold 2,048 of the CPU's 8,192 tokens per pass.
+        let (probe, figures) = MemoryProbe::fixed(4 << 30, 1 << 20);
+        let engine = Engine::start(dir, candle_core::Device::Cpu, Default::default(), names, 8 << 30, limits, probe);
+        let texts: Vec<String> = (0..300).map(|i| format!("sentence number {i} about the weather in a town by the sea")).collect();
+        let before = engine.embed(texts.clone()).await.unwrap().value;
+        figures.free_bytes.store(3000 << 20, Ordering::Relaxed);
+        let after = engine.embed(texts).await.expect("no embedding fails for want of memory").value;
+        assert_eq!(engine.stats.oom_splits.load(Ordering::Relaxed), 2, "8,192 -> 4,096 -> 2,048 tokens per pass");
+        assert_eq!(engine.batch_budget(Family::Embedder), 2048);
+        for (a, b) in before.iter().zip(&after) {
+            let cosine: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+            assert!(cosine > 0.9999, "smaller passes give the same vectors: {cosine}");
+        }
     }
 }
