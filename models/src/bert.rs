@@ -4,17 +4,17 @@
 //! On candle's model, one 17-token text spent a third of its time in gemm re-packing each
 //! transposed weight matrix ([`crate::linear::Linear`] reads them in place for few rows), and
 //! its attention materialised padded scores per head; here attention is
-//! [`crate::self_attention::self_attention`], over each text's own tokens, with the scale
+//! [`tern_kernels::self_attention::self_attention`], over each text's own tokens, with the scale
 //! folded into the query weights, the three projections are one product, and GELU runs on
-//! both cores ([`crate::cpu_ops`]). Other devices and other BERT variants use candle's
+//! both cores ([`tern_kernels::cpu_ops`]). Other devices and other BERT variants use candle's
 //! model (see `embed.rs`).
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{layer_norm, LayerNorm, VarBuilder};
 use candle_transformers::models::bert::{Config, HiddenAct, PositionEmbeddingType};
-use crate::cpu_ops::{add_layer_norm, bias_gelu_erf, gelu, Gelu};
+use tern_kernels::cpu_ops::{add_layer_norm, bias_gelu_erf, gelu, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
-use crate::self_attention::self_attention;
+use tern_kernels::self_attention::self_attention;
 
 struct Layer {
     /// Query, key and value stacked `(3 d, d)`; the query rows scaled by `head_dim^-0.5`.
@@ -40,7 +40,7 @@ pub(crate) struct Bert {
     layers: Vec<Layer>,
     heads: usize,
     eps: f64,
-    /// Whether the products run in BF16 ([`crate::bf16_gemm`]).
+    /// Whether the products run in BF16 ([`tern_kernels::bf16_gemm`]).
     bf16: bool,
 }
 
@@ -63,7 +63,7 @@ impl Bert {
         let (d, eps) = (cfg.hidden_size, cfg.layer_norm_eps);
         let scale = ((d / cfg.num_attention_heads) as f64).powf(-0.5);
         let e = vb.pp("embeddings");
-        let bf16 = bf16_products && crate::bf16_gemm::available();
+        let bf16 = bf16_products && tern_kernels::bf16_gemm::available();
         let product = |l: Linear| if bf16 { l.in_bf16() } else { Ok(l) };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {

@@ -17,13 +17,8 @@
 pub mod allocator;
 pub mod audio;
 mod bert;
-mod bf16_gemm;
-mod cpu_kernels;
-mod cpu_ops;
 pub mod cpu_threads;
 mod linear;
-mod quantized;
-mod self_attention;
 pub mod embed;
 pub mod generate;
 pub mod precision;

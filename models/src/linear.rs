@@ -4,8 +4,8 @@ use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
-use crate::bf16_gemm::Bf16Linear;
-use crate::cpu_kernels;
+use tern_kernels::bf16_gemm::Bf16Linear;
+use tern_kernels::cpu_kernels;
 
 /// A linear layer `x Wᵀ + b` (weights `(d_out, d_in)` as PyTorch stores them) that stays fast
 /// for the few rows of a decoding step or of one short text.
@@ -34,7 +34,7 @@ impl Linear {
     const FEW_ROWS: usize = 64;
 
     /// This layer with its weights packed for BF16 products where the CPU runs them
-    /// ([`crate::bf16_gemm::available`]), else unchanged.
+    /// ([`tern_kernels::bf16_gemm::available`]), else unchanged.
     pub(crate) fn in_bf16(self) -> Result<Linear> {
         let Weight::F32(weight) = &self.weight else {
             return Ok(self);

@@ -22,13 +22,13 @@ pub enum Precision {
 impl Precision {
     /// Whether this CPU has AVX-512 BF16, where `Auto` takes BF16 products on the CPU.
     pub fn cpu_has_bf16_products() -> bool {
-        crate::bf16_gemm::available()
+        tern_kernels::bf16_gemm::available()
     }
 
     /// What runs the BF16 products on this CPU: `Some("AMX")` (Intel's tiles, Sapphire Rapids
     /// and later, unless `TERN_NO_AMX` is set), `Some("AVX-512 BF16")`, or `None`.
     pub fn cpu_bf16_kernel() -> Option<&'static str> {
-        crate::bf16_gemm::kernel_name()
+        tern_kernels::bf16_gemm::kernel_name()
     }
 
     /// The candle dtype this precision resolves to on `device`.

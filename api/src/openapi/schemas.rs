@@ -667,6 +667,12 @@ pub struct LiveWorker {
     pub cache: Value,
     pub optimisations: Value,
     pub batch_in_hand: Value,
+    /// How the worker sizes batches: `probe` (`cuda`: the driver's free memory; `host`: peak
+    /// resident set), `free_bytes` (the device's, less 1 GiB of headroom; null on the CPU),
+    /// `budgets` (`transcribe_windows`, `embed_tokens`, `generate_tokens` pulled per batch),
+    /// `oom_splits` (batches run again at half size for want of memory) and `busy_seconds`
+    /// (time its model thread spent in model calls). Null for workers without models.
+    pub batching: Value,
 }
 
 #[derive(Serialize, ToSchema)]

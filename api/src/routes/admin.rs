@@ -506,7 +506,9 @@ fn memory_state(used: f64, budget: f64) -> &'static str {
 ///
 /// `GET /v1/admin/system`: the service at a glance: per live worker its memory state
 /// (`low`/`moderate`/`high`/`critical`: resident models against the memory budget), models
-/// cached and the optimisations in effect; queue totals over all kinds.
+/// cached, how its batches are sized (budgets from measured memory, batches split for want
+/// of memory, the model thread's busy seconds) and the optimisations in effect; queue totals
+/// over all kinds.
 #[utoipa::path(
     get,
     path = "/v1/admin/system",
@@ -531,7 +533,7 @@ pub async fn system(State(state): State<AppState>, caller: Caller) -> Result<Jso
                 "memory": { "state": memory_state(used, budget), "budget_bytes": w["memory"]["budget_bytes"],
                             "models_bytes": w["memory"]["models_bytes"], "rss_bytes": w["memory"]["rss_bytes"] },
                 "models": w["models"], "cache": w["cache"], "optimisations": w["optimisations"],
-                "batch_in_hand": w["batch_in_hand"],
+                "batch_in_hand": w["batch_in_hand"], "batching": w["batching"],
             })
         })
         .collect();

@@ -3,7 +3,7 @@
 //! candle's `quantized_llama` runs every step as some 20 tensor ops per layer, each with its
 //! own allocation and thread dispatch, and multiplies Q4_1 weights with scalar code (so tern
 //! had re-quantized them to Q8_0, 70% more bytes to read per token). Here a layer is four
-//! products over the file's own blocks ([`crate::quantized`]: q, k and v stacked into one
+//! products over the file's own blocks ([`tern_kernels::quantized`]: q, k and v stacked into one
 //! matrix, gate and up into another), with the small steps between them (norms, rotary
 //! embeddings, attention over the KV cache) as plain loops.
 
@@ -15,8 +15,8 @@ use candle_core::quantized::GgmlDType;
 use rayon::prelude::*;
 
 use super::metadata_int;
-use crate::cpu_kernels;
-use crate::quantized::{QMatrix, QType, QuantizedRows, BLOCK};
+use tern_kernels::cpu_kernels;
+use tern_kernels::quantized::{QMatrix, QType, QuantizedRows, BLOCK};
 
 /// The shape of the network, from the `llama.*` metadata.
 #[derive(Debug, Clone, Copy)]

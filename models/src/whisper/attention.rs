@@ -4,13 +4,13 @@
 //! each a separate gemm call with its own thread-pool dispatch: a step of 16 rows cost five times
 //! one row although the work is mostly reading each row's keys and values once. Here each
 //! (row, head) is a plain dot-product / weighted-sum loop over contiguous memory (compiled for
-//! the CPU's widest vectors, [`crate::cpu_kernels`]), and the pairs are split across threads.
+//! the CPU's widest vectors, [`tern_kernels::cpu_kernels`]), and the pairs are split across threads.
 
 use candle_core::{Device, Result, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::bf16_gemm::{self, PackedB};
-use crate::cpu_kernels;
+use tern_kernels::bf16_gemm::{self, PackedB};
+use tern_kernels::cpu_kernels;
 
 /// How the keys are laid out per (row, head).
 #[derive(Clone, Copy)]
@@ -133,7 +133,7 @@ pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bf16_gemm::test_values as values;
+    use tern_kernels::bf16_gemm::test_values as values;
     use std::sync::Arc;
 
     /// Against the F32 kernel over the transposed keys: two rows of different lengths (the

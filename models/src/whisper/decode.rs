@@ -6,7 +6,7 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::decoder::{CrossKv, Decoder, SelfKv};
-use crate::cpu_kernels::log_sum_exp;
+use tern_kernels::cpu_kernels::log_sum_exp;
 
 /// Special token ids and suppression lists, resolved once at load time.
 #[derive(Debug, Clone)]

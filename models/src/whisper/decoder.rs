@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use super::attention::{self, KeyLayout, PackedHead};
 use super::LAYER_NORM_EPS;
-use crate::bf16_gemm::Bf16Linear;
-use crate::cpu_kernels;
+use tern_kernels::bf16_gemm::Bf16Linear;
+use tern_kernels::cpu_kernels;
 use crate::linear::{linear, linear_no_bias, Linear};
 
 struct Attention {
@@ -271,7 +271,7 @@ impl Decoder {
     /// tiny), and that read was about half of a step at five rows.
     ///
     /// With `bf16_products` (F32 on the CPU), the layers' linear products and the logits run in
-    /// BF16 where the CPU has AVX-512 BF16 ([`crate::bf16_gemm`]): a step of 16 rows then costs
+    /// BF16 where the CPU has AVX-512 BF16 ([`tern_kernels::bf16_gemm`]): a step of 16 rows then costs
     /// about what a step of a few rows did, where F32 and F16 products were compute-bound.
     pub fn load(vb: VarBuilder, cfg: &Config, embeddings_in_f16: bool, bf16_products: bool) -> Result<Self> {
         let n_state = cfg.d_model;
@@ -395,7 +395,7 @@ impl Decoder {
         if !self.packs_cross() {
             candle_core::bail!("this decoder's cross-attention takes windows padded to one length");
         }
-        self.cross_kv_spans(audio_features, &crate::self_attention::end_to_end(lens))
+        self.cross_kv_spans(audio_features, &tern_kernels::self_attention::end_to_end(lens))
     }
 
     /// Packed keys and values of windows whose frames are the rows `spans[i].0..+spans[i].1` of
@@ -628,7 +628,7 @@ impl Decoder {
 
         // MLP.
         let h = layer.mlp_ln.forward(&x)?;
-        let h = layer.fc2.forward(&crate::cpu_ops::gelu(&layer.fc1.forward(&h)?, crate::cpu_ops::Gelu::Tanh)?)?;
+        let h = layer.fc2.forward(&tern_kernels::cpu_ops::gelu(&layer.fc1.forward(&h)?, tern_kernels::cpu_ops::Gelu::Tanh)?)?;
         x = (x + h)?;
         Ok(x)
     }

@@ -3,10 +3,10 @@
 //!
 //! Profiled on candle's encoder, GELU (a single-threaded `tanhf` map) took 14% of the time and
 //! the attention softmax's `expf` 11%; here GELU runs on every core with a polynomial `exp`
-//! that the compiler vectorises ([`crate::cpu_ops`]), and attention is one fused pass per
+//! that the compiler vectorises ([`tern_kernels::cpu_ops`]), and attention is one fused pass per
 //! (window, head) ([`self_attention`]). The attention scale is folded into the query weights at
 //! load instead of scaling queries and keys on every pass. On CPUs with AVX-512 BF16, the
-//! blocks' linear layers can run their products in BF16 ([`crate::bf16_gemm`]), about twice
+//! blocks' linear layers can run their products in BF16 ([`tern_kernels::bf16_gemm`]), about twice
 //! as fast as gemm's F32 there. Other devices use candle's ops.
 
 use candle_core::{Module, Result, Tensor};
@@ -15,12 +15,12 @@ use candle_transformers::models::whisper::Config;
 use rayon::prelude::*;
 
 use super::LAYER_NORM_EPS;
-use crate::bf16_gemm::{self, Bf16Linear};
-use crate::cpu_ops::{gelu, Gelu};
+use tern_kernels::bf16_gemm::{self, Bf16Linear};
+use tern_kernels::cpu_ops::{gelu, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
-use crate::cpu_kernels;
-use crate::cpu_ops::OutPtr;
-use crate::self_attention::{attend_spans_bf16, end_to_end, padded, self_attention, self_attention_spans};
+use tern_kernels::cpu_kernels;
+use tern_kernels::cpu_ops::OutPtr;
+use tern_kernels::self_attention::{attend_spans_bf16, end_to_end, padded, self_attention, self_attention_spans};
 
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
     let cfg = Conv1dConfig { padding: 1, stride, groups: 1, dilation: 1, cudnn_fwd_algo: None };
@@ -70,7 +70,7 @@ impl Bf16Conv {
             let candle_core::Storage::Cpu(cpu) = &*storage else {
                 candle_core::bail!("BF16 products run on the CPU");
             };
-            bf16_gemm::to_bf16_pairs(crate::cpu_ops::contiguous_f32(cpu, layout)?, rows, c)
+            bf16_gemm::to_bf16_pairs(tern_kernels::cpu_ops::contiguous_f32(cpu, layout)?, rows, c)
         };
         // Each output row's sequence: its first input row, its length and its position in it.
         let mut sources = Vec::new();
@@ -379,7 +379,7 @@ fn layer_norm_to_pairs(x: &[f32], d: usize, gamma: &[f32], beta: &[f32], eps: f3
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bf16_gemm::test_values as values;
+    use tern_kernels::bf16_gemm::test_values as values;
     use candle_core::Device;
 
     /// A small encoder with made-up weights (BF16 products where the CPU has them).

@@ -13,7 +13,7 @@ use crate::cpu_ops::{contiguous_f32, OutPtr};
 /// without `lens`) and its other rows come out zero. With `bf16` (where
 /// [`bf16_gemm::available`]), both products take BF16 operands with F32 sums. See
 /// [`SelfAttention`].
-pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, lens: Option<&[usize]>, bf16: bool) -> Result<Tensor> {
+pub fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, lens: Option<&[usize]>, bf16: bool) -> Result<Tensor> {
     let (b, len, _) = q.dims3()?;
     self_attention_spans(q, k, v, heads, &padded(b, len, lens)?, bf16)
 }
@@ -21,7 +21,7 @@ pub(crate) fn self_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, l
 /// The spans (first row, rows) of `b` sequences padded to `len` rows each, sequence `i` taking
 /// its first `lens[i]` (all `len` without `lens`). An error where `lens` has another count or a
 /// length of 0 or over `len`.
-pub(crate) fn padded(b: usize, len: usize, lens: Option<&[usize]>) -> Result<Vec<(usize, usize)>> {
+pub fn padded(b: usize, len: usize, lens: Option<&[usize]>) -> Result<Vec<(usize, usize)>> {
     if let Some(lens) = lens {
         if lens.len() != b || lens.iter().any(|&n| n == 0 || n > len) {
             candle_core::bail!("self-attention: lengths {lens:?} for {b} windows of {len}");
@@ -31,7 +31,7 @@ pub(crate) fn padded(b: usize, len: usize, lens: Option<&[usize]>) -> Result<Vec
 }
 
 /// The spans (first row, rows) of sequences of `lens` rows laid end to end.
-pub(crate) fn end_to_end(lens: &[usize]) -> Vec<(usize, usize)> {
+pub fn end_to_end(lens: &[usize]) -> Vec<(usize, usize)> {
     let mut first = 0;
     lens.iter()
         .map(|&n| {
@@ -44,7 +44,7 @@ pub(crate) fn end_to_end(lens: &[usize]) -> Vec<(usize, usize)> {
 /// [`self_attention`] over sequences laid end to end: `q`, `k`, `v` are `(rows, heads *
 /// head_dim)` (or any shape whose last dimension is that), and sequence `i` is the `spans[i].1`
 /// rows from row `spans[i].0`. Rows outside every span come out zero.
-pub(crate) fn self_attention_spans(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, spans: &[(usize, usize)], bf16: bool) -> Result<Tensor> {
+pub fn self_attention_spans(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, spans: &[(usize, usize)], bf16: bool) -> Result<Tensor> {
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let bf16 = bf16 && bf16_gemm::available();
     q.apply_op3_no_bwd(&k, &v, &SelfAttention { heads, spans: spans.to_vec(), bf16 })
@@ -100,7 +100,7 @@ unsafe fn bf16_head(scratch: &mut Bf16Scratch, q: &[f32], k: &[f32], v: &[f32], 
 /// The BF16 attention of [`self_attention_spans`] over plain slices: `q`, `k`, `v` and `out`
 /// are rows of `d` values; the rows of `out` in `spans` are written, the others left as they
 /// are. Panics where [`bf16_gemm::available`] is false or a span leaves the rows.
-pub(crate) fn attend_spans_bf16(q: &[f32], k: &[f32], v: &[f32], d: usize, heads: usize, spans: &[(usize, usize)], out: &mut [f32]) {
+pub fn attend_spans_bf16(q: &[f32], k: &[f32], v: &[f32], d: usize, heads: usize, spans: &[(usize, usize)], out: &mut [f32]) {
     let rows = q.len() / d;
     assert!(bf16_gemm::available() && d % heads == 0 && k.len() == q.len() && v.len() == q.len() && out.len() == q.len());
     assert!(spans.iter().all(|&(from, n)| from + n <= rows), "sequences {spans:?} over {rows} rows");

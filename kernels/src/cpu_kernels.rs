@@ -14,7 +14,7 @@ const LANES: usize = 16;
 /// `e^x` within 1e-5 relative for `x` in [-87, 88] (clamped outside), written so that loops over
 /// slices vectorise: `2^n * 2^f` with `f` in [-0.5, 0.5] and a degree-6 polynomial for `2^f`.
 #[inline(always)]
-pub(crate) fn fast_exp(x: f32) -> f32 {
+pub fn fast_exp(x: f32) -> f32 {
     // Adding 1.5 * 2^23 rounds to the nearest integer without a libm call, and leaves that
     // integer in the low bits of the sum: `2^n` comes from integer ops on those bits. (A float
     // to `i32` cast instead saturates, which compilers do one lane at a time.)
@@ -34,7 +34,7 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
 
 /// candle's `gelu` (the tanh approximation), with `tanh(y) = 1 - 2 / (e^(2y) + 1)`.
 #[inline(always)]
-pub(crate) fn gelu(x: f32) -> f32 {
+pub fn gelu(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     let y = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
     let tanh = 1.0 - 2.0 / (fast_exp(2.0 * y) + 1.0);
@@ -44,7 +44,7 @@ pub(crate) fn gelu(x: f32) -> f32 {
 /// The exact GELU, `x/2 (1 + erf(x / sqrt 2))`, with Abramowitz and Stegun's erf (7.1.26,
 /// within 1.5e-7) and [`fast_exp`]: within 2e-6 of the library functions.
 #[inline(always)]
-pub(crate) fn gelu_erf(x: f32) -> f32 {
+pub fn gelu_erf(x: f32) -> f32 {
     let z = (x * std::f32::consts::FRAC_1_SQRT_2).abs();
     let t = 1.0 / (1.0 + 0.327_591_1 * z);
     let poly = t * (0.254_829_6 + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152 + t * 1.061_405_4))));
@@ -240,11 +240,11 @@ fn level() -> Level {
     })
 }
 
-/// `pub(crate) fn $name(args) -> ret` that runs `$generic` compiled for the CPU's widest level.
+/// `pub fn $name(args) -> ret` that runs `$generic` compiled for the CPU's widest level.
 macro_rules! dispatched {
     ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident) => {
         $(#[$doc])*
-        pub(crate) fn $name($($arg: $ty),*) $(-> $ret)? {
+        pub fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,fma")]
@@ -330,7 +330,7 @@ dispatched!(
 ///
 /// Weights held as f16 halve the bytes a product reads; Whisper's checkpoints are stored in
 /// f16, so nothing is rounded that the file had not rounded already.
-pub(crate) fn dots_f16<const T: usize>(ws: &[half::f16], xs: [&[f32]; T]) -> [f32; T] {
+pub fn dots_f16<const T: usize>(ws: &[half::f16], xs: [&[f32]; T]) -> [f32; T] {
     debug_assert!(xs.iter().all(|x| x.len() >= ws.len()));
     #[cfg(target_arch = "x86_64")]
     match f16_level() {

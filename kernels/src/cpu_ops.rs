@@ -11,7 +11,7 @@ use crate::cpu_kernels;
 const CHUNK: usize = 16 * 1024;
 
 /// A contiguous f32 CPU tensor's elements.
-pub(crate) fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+pub fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     let (start, end) = layout
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("expected a contiguous tensor".into()))?;
@@ -20,14 +20,14 @@ pub(crate) fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Re
 
 /// An output buffer's base pointer, shared by parallel tasks that each write their own
 /// disjoint part of it.
-pub(crate) struct OutPtr<T = f32>(pub(crate) *mut T);
+pub struct OutPtr<T = f32>(pub *mut T);
 // SAFETY: each task writes only its own part of the buffer, which outlives the tasks.
 unsafe impl<T> Send for OutPtr<T> {}
 unsafe impl<T> Sync for OutPtr<T> {}
 
 impl<T> OutPtr<T> {
     /// The element `offset` places past the base.
-    pub(crate) fn at(&self, offset: usize) -> *mut T {
+    pub fn at(&self, offset: usize) -> *mut T {
         // SAFETY: callers pass offsets inside the buffer.
         unsafe { self.0.add(offset) }
     }
@@ -37,14 +37,14 @@ impl<T> OutPtr<T> {
     /// # Safety
     /// They lie inside the buffer, and no other task reads or writes them meanwhile.
     #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice(&self, offset: usize, len: usize) -> &mut [T] {
+    pub unsafe fn slice(&self, offset: usize, len: usize) -> &mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(offset), len)
     }
 }
 
 /// Which GELU.
 #[derive(Clone, Copy)]
-pub(crate) enum Gelu {
+pub enum Gelu {
     /// The tanh approximation (candle's `gelu`).
     Tanh,
     /// `x/2 (1 + erf(x / sqrt 2))` (candle's `gelu_erf`).
@@ -72,7 +72,7 @@ impl CustomOp1 for Gelu {
 }
 
 /// `kind` GELU of `x`, on both cores for f32 on the CPU.
-pub(crate) fn gelu(x: &Tensor, kind: Gelu) -> Result<Tensor> {
+pub fn gelu(x: &Tensor, kind: Gelu) -> Result<Tensor> {
     if x.device().is_cpu() && x.dtype() == DType::F32 {
         return x.contiguous()?.apply_op1_no_bwd(&kind);
     }
@@ -111,7 +111,7 @@ impl CustomOp2 for BiasGeluErf {
 
 /// The exact GELU of `y + bias` (`y` `(..., n)`, `bias` `(n)`), in one pass over `y` on the CPU
 /// in f32; elsewhere candle's add and GELU.
-pub(crate) fn bias_gelu_erf(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
+pub fn bias_gelu_erf(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
     if y.device().is_cpu() && y.dtype() == DType::F32 && bias.dims1()? == y.dim(candle_core::D::Minus1)? {
         return y.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &BiasGeluErf);
     }
@@ -154,7 +154,7 @@ impl CustomOp3 for AddLayerNorm {
 /// A post-norm residual step, `layer_norm(y + residual + bias)` scaled by `gamma` and shifted by
 /// `beta`, in one pass on the CPU in f32. `params` is `(3, n)`: bias, gamma, beta; `y` and
 /// `residual` are `(..., n)` of the same shape.
-pub(crate) fn add_layer_norm(y: &Tensor, residual: &Tensor, params: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn add_layer_norm(y: &Tensor, residual: &Tensor, params: &Tensor, eps: f64) -> Result<Tensor> {
     let n = params.dim(1)?;
     if y.device().is_cpu() && y.dtype() == DType::F32 && y.dims() == residual.dims() && y.dim(candle_core::D::Minus1)? == n {
         return y.contiguous()?.apply_op3_no_bwd(&residual.contiguous()?, &params.contiguous()?, &AddLayerNorm { eps: eps as f32 });

@@ -34,7 +34,7 @@ const TASK_ROWS: usize = 96;
 const TASK_COLS: usize = 256;
 
 /// Whether this CPU runs BF16 products ([`Bf16Linear::pack`] gives `None` where not).
-pub(crate) fn available() -> bool {
+pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -46,7 +46,7 @@ pub(crate) fn available() -> bool {
 
 /// What runs the products: `Some("AMX")`, `Some("AVX-512 BF16")`, or `None` where
 /// [`available`] is false.
-pub(crate) fn kernel_name() -> Option<&'static str> {
+pub fn kernel_name() -> Option<&'static str> {
     if !available() {
         return None;
     }
@@ -67,7 +67,7 @@ fn bf16_pair(lo: f32, hi: f32) -> u32 {
 /// (columns past `n`, an odd last row and the pairs up to a multiple of 16, an AMX tile's
 /// depth, are zeros).
 #[derive(Default)]
-pub(crate) struct PackedB {
+pub struct PackedB {
     data: Vec<u32>,
     k: usize,
     n: usize,
@@ -75,14 +75,14 @@ pub(crate) struct PackedB {
 
 impl PackedB {
     /// Packs `B[kk][j] = value(kk, j)`.
-    pub(crate) fn new(k: usize, n: usize, value: impl Fn(usize, usize) -> f32) -> PackedB {
+    pub fn new(k: usize, n: usize, value: impl Fn(usize, usize) -> f32) -> PackedB {
         let mut packed = PackedB::default();
         packed.refill(k, n, value);
         packed
     }
 
     /// Packs a new matrix into this one's buffer.
-    pub(crate) fn refill(&mut self, k: usize, n: usize, value: impl Fn(usize, usize) -> f32) {
+    pub fn refill(&mut self, k: usize, n: usize, value: impl Fn(usize, usize) -> f32) {
         (self.k, self.n) = (k, n);
         let (pairs, padded) = (self.pairs(), self.padded_pairs());
         self.data.clear();
@@ -103,7 +103,7 @@ impl PackedB {
     /// attention's keys are. The same values as [`PackedB::refill`], without a call per value:
     /// each row converts with the vector instruction and its pairs are scattered to their
     /// column. Only where [`available`].
-    pub(crate) fn refill_columns_of(&mut self, src: &[f32], stride: usize, k: usize, n: usize) {
+    pub fn refill_columns_of(&mut self, src: &[f32], stride: usize, k: usize, n: usize) {
         assert!(n == 0 || (n - 1) * stride + k <= src.len(), "{n} rows of {k} values, {stride} apart, in {}", src.len());
         self.reset(k, n);
         let (pairs, padded) = (self.pairs(), self.padded_pairs());
@@ -120,7 +120,7 @@ impl PackedB {
     /// Packs `B[kk][j] = src[kk * stride + j]` (`k x n`): each row is a row of `src`, as
     /// attention's values are. The same values as [`PackedB::refill`]; only where
     /// [`available`].
-    pub(crate) fn refill_rows_of(&mut self, src: &[f32], stride: usize, k: usize, n: usize) {
+    pub fn refill_rows_of(&mut self, src: &[f32], stride: usize, k: usize, n: usize) {
         assert!(k == 0 || (k - 1) * stride + n <= src.len(), "{k} rows of {n} values, {stride} apart, in {}", src.len());
         self.reset(k, n);
         let padded = self.padded_pairs();
@@ -150,12 +150,12 @@ impl PackedB {
     }
 
     /// Number of columns.
-    pub(crate) fn cols(&self) -> usize {
+    pub fn cols(&self) -> usize {
         self.n
     }
 
     /// Pairs of rows (`k / 2`, rounded up): the row length of a left-hand matrix.
-    pub(crate) fn pairs(&self) -> usize {
+    pub fn pairs(&self) -> usize {
         self.k.div_ceil(2)
     }
 
@@ -178,7 +178,7 @@ impl PackedB {
 /// # Safety
 /// The CPU runs AVX-512F and AVX-512 BF16 ([`available`]); `out` has `rows` rows, `ldc` apart,
 /// of at least `c1` writable values.
-pub(crate) unsafe fn products(a: &[u32], rows: usize, b: &PackedB, c0: usize, c1: usize, bias: Option<&[f32]>, out: *mut f32, ldc: usize) {
+pub unsafe fn products(a: &[u32], rows: usize, b: &PackedB, c0: usize, c1: usize, bias: Option<&[f32]>, out: *mut f32, ldc: usize) {
     debug_assert!(a.len() >= rows * b.pairs() && c0 % NR == 0 && c1 <= b.n);
     #[cfg(target_arch = "x86_64")]
     if amx::available() {
@@ -216,7 +216,7 @@ unsafe fn avx512_products(a: &[u32], rows: usize, b: &PackedB, c0: usize, c1: us
 /// As [`products`]: [`available`], and `out` has `t` rows, `ldc` apart, of `values.cols()`
 /// writable values.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn attention(queries: &[u32], t: usize, keys: &PackedB, values: &PackedB, scores: &mut Vec<f32>, weights: &mut Vec<u32>, out: *mut f32, ldc: usize) {
+pub unsafe fn attention(queries: &[u32], t: usize, keys: &PackedB, values: &PackedB, scores: &mut Vec<f32>, weights: &mut Vec<u32>, out: *mut f32, ldc: usize) {
     let n = keys.cols();
     scores.resize(t * n, 0.0);
     products(queries, t, keys, 0, n, None, scores.as_mut_ptr(), n);
@@ -230,7 +230,7 @@ pub(crate) unsafe fn attention(queries: &[u32], t: usize, keys: &PackedB, values
 }
 
 /// A linear layer `x Wᵀ + b` with `W` held as BF16 (packed as `B = Wᵀ`).
-pub(crate) struct Bf16Linear {
+pub struct Bf16Linear {
     weights: PackedB,
     bias: Option<Vec<f32>>,
 }
@@ -238,7 +238,7 @@ pub(crate) struct Bf16Linear {
 impl Bf16Linear {
     /// Packs `weight` `(d_out, d_in)` and `bias` `(d_out)` (F32 or any dtype candle converts);
     /// `None` where the CPU lacks AVX-512 BF16.
-    pub(crate) fn pack(weight: &Tensor, bias: Option<&Tensor>) -> Result<Option<Bf16Linear>> {
+    pub fn pack(weight: &Tensor, bias: Option<&Tensor>) -> Result<Option<Bf16Linear>> {
         if !available() {
             return Ok(None);
         }
@@ -250,17 +250,17 @@ impl Bf16Linear {
     }
 
     /// Output width (`d_out`).
-    pub(crate) fn d_out(&self) -> usize {
+    pub fn d_out(&self) -> usize {
         self.weights.n
     }
 
     /// Number of weights (`d_out x d_in`).
-    pub(crate) fn weight_count(&self) -> usize {
+    pub fn weight_count(&self) -> usize {
         self.weights.k * self.weights.n
     }
 
     /// `x` `(..., d_in)` F32 on the CPU; returns `(..., d_out)`, plus the bias `with_bias`.
-    pub(crate) fn forward(&self, x: &Tensor, with_bias: bool) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, with_bias: bool) -> Result<Tensor> {
         let x = x.contiguous()?;
         let mut dims = x.dims().to_vec();
         let rows = x.elem_count() / self.weights.k.max(1);
@@ -283,7 +283,7 @@ impl Bf16Linear {
 
     /// [`Bf16Linear::forward`] on `rows` rows already in BF16 pairs (`d_in / 2` rounded up
     /// each, as [`to_bf16_pairs`] makes them).
-    pub(crate) fn pair_rows_times(&self, a: &[u32], rows: usize, with_bias: bool) -> Vec<f32> {
+    pub fn pair_rows_times(&self, a: &[u32], rows: usize, with_bias: bool) -> Vec<f32> {
         let (d_out, pairs) = (self.weights.n, self.weights.pairs());
         assert_eq!(a.len(), rows * pairs, "{rows} rows of {pairs} BF16 pairs");
         let bias = if with_bias { self.bias.as_deref() } else { None };
@@ -321,7 +321,7 @@ impl Bf16Linear {
     /// a caller adds them to a residual or applies an activation there instead of in a pass
     /// of its own over a fresh buffer. Each value is handed over exactly once, from one of
     /// rayon's threads; `c0` is a multiple of 256.
-    pub(crate) fn pair_rows_each(&self, a: &[u32], rows: usize, finish: impl Fn(usize, usize, &mut [f32]) + Sync) {
+    pub fn pair_rows_each(&self, a: &[u32], rows: usize, finish: impl Fn(usize, usize, &mut [f32]) + Sync) {
         let (d_out, pairs) = (self.weights.n, self.weights.pairs());
         assert_eq!(a.len(), rows * pairs, "{rows} rows of {pairs} BF16 pairs");
         self.tasks(rows, |(r0, r1), (c0, c1)| {
@@ -344,7 +344,7 @@ impl Bf16Linear {
 
 /// `rows` rows of `cols` F32 values as rows of BF16 pairs (see [`row_to_bf16`]), on rayon's
 /// threads.
-pub(crate) fn to_bf16_pairs(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
+pub fn to_bf16_pairs(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
     let mut out = vec![0u32; rows * cols.div_ceil(2)];
     to_bf16_pairs_into(&x[..rows * cols], cols, &mut out);
     out
@@ -352,7 +352,7 @@ pub(crate) fn to_bf16_pairs(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
 
 /// [`to_bf16_pairs`] into `out`: the rows of `x` (`cols` values each), `cols / 2` pairs
 /// (rounded up) per row of `out`.
-pub(crate) fn to_bf16_pairs_into(x: &[f32], cols: usize, out: &mut [u32]) {
+pub fn to_bf16_pairs_into(x: &[f32], cols: usize, out: &mut [u32]) {
     let pairs = cols.div_ceil(2);
     assert_eq!(x.len() / cols.max(1) * pairs, out.len(), "{} values in rows of {cols} into {} pairs", x.len(), out.len());
     out.par_chunks_mut(pairs * 64).zip(x.par_chunks(cols * 64)).for_each(|(dst, src)| {
@@ -365,7 +365,7 @@ pub(crate) fn to_bf16_pairs_into(x: &[f32], cols: usize, out: &mut [u32]) {
 /// One row of F32 values as BF16 pairs in `dst` (`src.len() / 2` rounded up; an odd last
 /// value paired with 0), rounded as `vcvtneps2bf16` rounds: to nearest even, subnormals to
 /// zero. Only where [`available`].
-pub(crate) fn row_to_bf16(src: &[f32], dst: &mut [u32]) {
+pub fn row_to_bf16(src: &[f32], dst: &mut [u32]) {
     assert!(available() && dst.len() >= src.len().div_ceil(2), "BF16 conversion of {} values into {} pairs", src.len(), dst.len());
     // SAFETY: checked just above.
     let done = unsafe { kernel::to_bf16(src, dst) };
@@ -376,7 +376,7 @@ pub(crate) fn row_to_bf16(src: &[f32], dst: &mut [u32]) {
 
 /// `dst[i]` = the BF16 bits of `src[i]`, rounded as [`row_to_bf16`] rounds. Only where
 /// [`available`].
-pub(crate) fn row_to_bf16_halves(src: &[f32], dst: &mut [u16]) {
+pub fn row_to_bf16_halves(src: &[f32], dst: &mut [u16]) {
     assert!(available() && dst.len() >= src.len(), "BF16 conversion of {} values into {}", src.len(), dst.len());
     // SAFETY: checked above that the CPU has the instructions and `dst` the room.
     let done = unsafe { kernel::to_bf16_halves(src, dst) };
@@ -510,16 +510,16 @@ mod kernel {
 }
 
 /// Values in [-1, 1) that look random enough to catch an index off by one, for the tests of
-/// the BF16 paths against F32.
-#[cfg(test)]
-pub(crate) fn test_values(n: usize, seed: usize) -> Vec<f32> {
+/// the BF16 paths against F32 (here and in the models that call these kernels).
+#[doc(hidden)]
+pub fn test_values(n: usize, seed: usize) -> Vec<f32> {
     (0..n).map(|i| (((i + seed) * 7919 % 1013) as f32 / 506.5) - 1.0).collect()
 }
 
 /// For the tests of the BF16 paths: whether this CPU lacks them (then the test says it skipped
 /// and returns).
-#[cfg(test)]
-pub(crate) fn skip_without_bf16() -> bool {
+#[doc(hidden)]
+pub fn skip_without_bf16() -> bool {
     if available() {
         return false;
     }

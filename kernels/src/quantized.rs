@@ -12,11 +12,11 @@ use half::f16;
 use rayon::prelude::*;
 
 /// Values per quantization block, for every type here.
-pub(crate) const BLOCK: usize = 32;
+pub const BLOCK: usize = 32;
 
 /// A GGML block type this module multiplies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum QType {
+pub enum QType {
     /// Scale `d` (f16) and 32 four-bit values `q`: `x = d * (q - 8)`.
     Q4_0,
     /// Scale `d` and minimum `m` (f16) and 32 four-bit values: `x = d * q + m`.
@@ -27,7 +27,7 @@ pub(crate) enum QType {
 
 impl QType {
     /// Bytes per block of 32 values in a GGUF file.
-    pub(crate) fn block_bytes(self) -> usize {
+    pub fn block_bytes(self) -> usize {
         match self {
             QType::Q4_0 => 18,
             QType::Q4_1 => 20,
@@ -48,7 +48,7 @@ impl QType {
 /// with `s = d * Σ qs` for the weight types that carry an offset. Reused between products to
 /// keep its buffers.
 #[derive(Default)]
-pub(crate) struct QuantizedRows {
+pub struct QuantizedRows {
     blocks_per_row: usize,
     d: Vec<f32>,
     s: Vec<f32>,
@@ -65,7 +65,7 @@ struct ActRow<'a> {
 
 impl QuantizedRows {
     /// Quantizes `x`, rows of `cols` values each (`cols` a multiple of [`BLOCK`]).
-    pub(crate) fn quantize(&mut self, x: &[f32], cols: usize) {
+    pub fn quantize(&mut self, x: &[f32], cols: usize) {
         debug_assert!(cols % BLOCK == 0 && x.len() % cols == 0);
         self.blocks_per_row = cols / BLOCK;
         let blocks = x.len() / BLOCK;
@@ -107,7 +107,7 @@ fn quantize_block(x: &[f32], qs: &mut [i8; BLOCK]) -> (f32, f32) {
 /// block's scale and offset as f32 (the offset is `-8 d` for Q4_0 and none for Q8_0) and its
 /// packed values. Converting the f16 scales once at load time takes them, and the scalar work
 /// around them, out of the products' inner loop.
-pub(crate) struct QMatrix {
+pub struct QMatrix {
     qtype: QType,
     rows: usize,
     cols: usize,
@@ -135,7 +135,7 @@ const ROW_GROUP: usize = 64;
 impl QMatrix {
     /// `data` holds `rows` rows of `cols / 32` blocks of `qtype` as a GGUF file stores them;
     /// `cols` must be a multiple of 32.
-    pub(crate) fn new(qtype: QType, rows: usize, cols: usize, data: &[u8]) -> Result<QMatrix> {
+    pub fn new(qtype: QType, rows: usize, cols: usize, data: &[u8]) -> Result<QMatrix> {
         ensure!(cols % BLOCK == 0, "{cols} columns are not a whole number of {BLOCK}-value blocks");
         let blocks = rows * cols / BLOCK;
         let want = blocks * qtype.block_bytes();
@@ -158,7 +158,7 @@ impl QMatrix {
 
     /// The rows of `parts` one after the other (same type and width), so that one product
     /// computes them all.
-    pub(crate) fn stack(parts: Vec<QMatrix>) -> Result<QMatrix> {
+    pub fn stack(parts: Vec<QMatrix>) -> Result<QMatrix> {
         let Some(first) = parts.first() else { bail!("nothing to stack") };
         let (qtype, cols) = (first.qtype, first.cols);
         if let Some(odd) = parts.iter().find(|p| p.qtype != qtype || p.cols != cols) {
@@ -174,12 +174,12 @@ impl QMatrix {
         Ok(all)
     }
 
-    pub(crate) fn rows(&self) -> usize {
+    pub fn rows(&self) -> usize {
         self.rows
     }
 
     /// Bytes the arrays take.
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         4 * (self.scales.len() + self.offsets.len()) + self.packed.len()
     }
 
@@ -195,7 +195,7 @@ impl QMatrix {
     }
 
     /// Row `r` as f32 values into `out` (`cols` long): an embedding lookup.
-    pub(crate) fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let w = self.weight_row(r);
         let pb = self.qtype.packed_bytes();
         for (b, out) in out.chunks_exact_mut(BLOCK).enumerate() {
@@ -220,7 +220,7 @@ impl QMatrix {
     /// `out[i * rows + r] = x_i · W_r` for every row `i` of `x` (quantized from rows of `cols`
     /// values); `out` holds `x`'s rows times [`QMatrix::rows`] values. The weight rows are split
     /// between rayon's threads.
-    pub(crate) fn matmul(&self, x: &QuantizedRows, out: &mut [f32]) {
+    pub fn matmul(&self, x: &QuantizedRows, out: &mut [f32]) {
         let m = x.rows();
         assert_eq!(x.blocks_per_row * BLOCK, self.cols, "activation width");
         assert_eq!(out.len(), m * self.rows, "output size");
