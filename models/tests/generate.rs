@@ -295,3 +295,46 @@ fn a_request_admitted_mid_batch_joins_the_running_one_and_each_comes_out_as_alon
     assert_eq!(finished[0].1, alone_short, "joined mid-batch, greedy");
     assert_eq!(finished[1].1, alone_long, "sampled, joined by another mid-batch");
 }
+
+/// The forward pass GPUs run (candle's ops, [`Llm::load_gguf_portable`]), here on the CPU: it
+/// answers as the model should, and requests of different prompt lengths decoded together,
+/// one joining mid-batch, each come out as they do alone (each keeps its own cache and
+/// position).
+#[test]
+fn the_portable_pass_decodes_requests_together_each_as_alone() {
+    let Some(dir) = model_dir() else { return };
+    let llm = Llm::load_gguf_portable(&dir, &Device::Cpu).expect("load SmolLM2 on candle's ops");
+    let question = capital_question();
+    let paris = llm.generate(&question, &greedy(16), &mut |_, _| true).unwrap();
+    assert!(paris.text.contains("Paris"), "{paris:?}");
+
+    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox who lived by a river.".into() }]);
+    let count = Prompt::Text("1, 2, 3, 4,".into());
+    let sampled = GenerateOptions { max_tokens: 20, temperature: 0.8, seed: 3, ..Default::default() };
+    let alone = [
+        llm.generate(&story, &sampled, &mut |_, _| true).unwrap(),
+        llm.generate(&count, &greedy(12), &mut |_, _| true).unwrap(),
+        llm.generate(&question, &greedy(8), &mut |_, _| true).unwrap(),
+    ];
+    let (short, long) = (greedy(12), greedy(8));
+    let (mut a, mut b, mut c) = (|_: &str, _: usize| true, |_: &str, _: usize| true, |_: &str, _: usize| true);
+    let mut together = Some(vec![
+        GenerationRequest { prompt: &story, options: &sampled, on_text: &mut a },
+        GenerationRequest { prompt: &count, options: &short, on_text: &mut b },
+    ]);
+    let mut late = Some(GenerationRequest { prompt: &question, options: &long, on_text: &mut c });
+    let mut calls = 0;
+    let mut admit = |_running: usize| {
+        calls += 1;
+        match calls {
+            1 => together.take().unwrap_or_default(),
+            4 => late.take().into_iter().collect(),
+            _ => Vec::new(),
+        }
+    };
+    let mut results: Vec<Option<Generation>> = vec![None, None, None];
+    llm.generate_continuous(&mut admit, &mut |number, result| results[number] = Some(result.unwrap()));
+    for (i, (r, a)) in results.iter().zip(&alone).enumerate() {
+        assert_eq!(r.as_ref().expect("answered"), a, "request {i}: batched as alone");
+    }
+}

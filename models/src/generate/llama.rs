@@ -20,14 +20,70 @@ use tern_kernels::quantized::{QMatrix, QType, QuantizedRows, BLOCK};
 
 /// The shape of the network, from the `llama.*` metadata.
 #[derive(Debug, Clone, Copy)]
-struct Config {
-    hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    ffn: usize,
-    rms_eps: f32,
-    rope_base: f32,
+pub(crate) struct Config {
+    pub(crate) hidden: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) ffn: usize,
+    pub(crate) layers: usize,
+    pub(crate) rms_eps: f32,
+    pub(crate) rope_base: f32,
+}
+
+impl Config {
+    /// The `llama.*` metadata; `Ok(None)` for a variant neither forward pass of tern's
+    /// implements (partial or scaled rotary embeddings, mixtures of experts): candle's
+    /// `quantized_llama` serves those.
+    pub(crate) fn from_gguf(content: &Content) -> Result<Option<Config>> {
+        let int = |key: &str| {
+            metadata_int(content, key)
+                .and_then(|v| usize::try_from(v).ok())
+                .with_context(|| format!("{key} is missing from the GGUF metadata"))
+        };
+        let float = |key: &str| content.metadata.get(key).and_then(|v| match v {
+            Value::F32(x) => Some(*x),
+            Value::F64(x) => Some(*x as f32),
+            _ => None,
+        });
+        let (hidden, heads, layers) = (int("llama.embedding_length")?, int("llama.attention.head_count")?, int("llama.block_count")?);
+        let kv_heads = int("llama.attention.head_count_kv").unwrap_or(heads);
+        ensure!(heads > 0 && hidden % heads == 0 && kv_heads > 0 && heads % kv_heads == 0, "{heads} heads and {kv_heads} key/value heads do not divide {hidden}");
+        let head_dim = hidden / heads;
+        let rope_dim = int("llama.rope.dimension_count").unwrap_or(head_dim);
+        let scaled_rope = content.metadata.keys().any(|k| k.starts_with("llama.rope.scaling")) || content.tensor_infos.contains_key("rope_freqs.weight");
+        let experts = int("llama.expert_count").unwrap_or(0) > 0;
+        if rope_dim != head_dim || scaled_rope || head_dim % 2 != 0 || experts {
+            return Ok(None);
+        }
+        Ok(Some(Config {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn: int("llama.feed_forward_length")?,
+            layers,
+            rms_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            rope_base: float("llama.rope.freq_base").unwrap_or(10_000.0),
+        }))
+    }
+
+    /// Rotary embedding angles' cosines and sines, `positions x head_dim / 2`, as candle
+    /// computes them (f32 throughout), so that every forward pass agrees.
+    pub(crate) fn rotary_tables(&self, positions: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = self.head_dim / 2;
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for i in 0..half {
+                let theta = 1f32 / self.rope_base.powf((2 * i) as f32 / self.head_dim as f32);
+                let angle = p as f32 * theta;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        (cos, sin)
+    }
 }
 
 struct Layer {
@@ -80,34 +136,8 @@ impl Llama {
     /// holds a tensor type or a variant (partial or scaled rotary embeddings) this forward pass
     /// does not implement: candle's `quantized_llama` serves those.
     pub(crate) fn from_gguf<R: Read + Seek>(content: &Content, reader: &mut R, positions: usize) -> Result<Option<Llama>> {
-        let int = |key: &str| {
-            metadata_int(content, key)
-                .and_then(|v| usize::try_from(v).ok())
-                .with_context(|| format!("{key} is missing from the GGUF metadata"))
-        };
-        let float = |key: &str| content.metadata.get(key).and_then(|v| match v {
-            Value::F32(x) => Some(*x),
-            Value::F64(x) => Some(*x as f32),
-            _ => None,
-        });
-        let (hidden, heads, layers) = (int("llama.embedding_length")?, int("llama.attention.head_count")?, int("llama.block_count")?);
-        let kv_heads = int("llama.attention.head_count_kv").unwrap_or(heads);
-        ensure!(heads > 0 && hidden % heads == 0 && kv_heads > 0 && heads % kv_heads == 0, "{heads} heads and {kv_heads} key/value heads do not divide {hidden}");
-        let head_dim = hidden / heads;
-        let rope_dim = int("llama.rope.dimension_count").unwrap_or(head_dim);
-        let scaled_rope = content.metadata.keys().any(|k| k.starts_with("llama.rope.scaling")) || content.tensor_infos.contains_key("rope_freqs.weight");
-        if rope_dim != head_dim || scaled_rope || head_dim % 2 != 0 {
-            return Ok(None);
-        }
-        let cfg = Config {
-            hidden,
-            heads,
-            kv_heads,
-            head_dim,
-            ffn: int("llama.feed_forward_length")?,
-            rms_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-            rope_base: float("llama.rope.freq_base").unwrap_or(10_000.0),
-        };
+        let Some(cfg) = Config::from_gguf(content)? else { return Ok(None) };
+        let Config { hidden, heads, kv_heads, head_dim, layers, .. } = cfg;
         let supported = content.tensor_infos.values().all(|info| {
             let matrix = info.shape.rank() == 2;
             if matrix {
@@ -150,18 +180,7 @@ impl Llama {
         };
         let output_norm = tensors.vector("output_norm.weight", hidden)?;
 
-        // As candle computes them (f32 throughout), so both forward passes agree.
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(positions * half);
-        let mut sin = Vec::with_capacity(positions * half);
-        for p in 0..positions {
-            for i in 0..half {
-                let theta = 1f32 / cfg.rope_base.powf((2 * i) as f32 / head_dim as f32);
-                let angle = p as f32 * theta;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
+        let (cos, sin) = cfg.rotary_tables(positions);
         Ok(Some(Llama { cfg, embeddings, output, output_norm, layers: layer_list, cos, sin }))
     }
 

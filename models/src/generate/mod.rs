@@ -19,7 +19,9 @@ use candle_core::{Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 
+mod batched;
 mod llama;
+use batched::BatchedLlama;
 use llama::{Llama, Segment};
 use serde::{Deserialize, Serialize};
 use tokenizers::models::bpe::{Vocab, BPE};
@@ -240,8 +242,12 @@ pub struct Llm {
 enum Weights {
     /// tern's own, on the CPU over the file's quantized blocks (see [`llama`]).
     Tern(Llama),
-    /// candle's `quantized_llama`, on GPUs and for the quantizations tern's lacks. Weights with
-    /// an empty KV cache: each request works on a clone, so the tensors are shared (reference
+    /// candle's ops, on GPUs and for the quantizations tern's own pass lacks; requests decode
+    /// together as with [`Weights::Tern`] (see [`batched`]).
+    Batched(BatchedLlama),
+    /// candle's `quantized_llama`, for the llama variants neither of the above implements
+    /// (scaled or partial rotary embeddings, mixtures of experts). Weights with an empty KV
+    /// cache: each request works on a clone, so the tensors are shared (reference
     /// counted) while the KV cache and the attention-mask cache (which `quantized_llama` keeps
     /// per prompt length and never clears) die with the request.
     Candle(ModelWeights),
@@ -256,9 +262,20 @@ impl Llm {
     /// byte-level without a prefix space), so other BPE vocabularies may tokenise differently.
     ///
     /// On the CPU, models whose matrices are all Q4_0, Q4_1 or Q8_0 run on tern's own forward
-    /// pass (several times faster, and requests decode together in [`Llm::generate_batch`]);
-    /// other devices and quantizations run on candle's `quantized_llama`.
+    /// pass (several times faster); other devices and quantizations run on a forward pass made
+    /// of candle's ops. Both decode requests together ([`Llm::generate_batch`]). The llama
+    /// variants neither implements run on candle's `quantized_llama`, one request at a time.
     pub fn load_gguf(dir_or_file: &Path, device: &Device) -> Result<Llm> {
+        Self::load_gguf_on(dir_or_file, device, device.is_cpu())
+    }
+
+    /// [`Self::load_gguf`] with candle's ops even on the CPU (`own_cpu_pass` false): how the
+    /// forward pass GPUs run is tested and measured without one.
+    pub fn load_gguf_portable(dir_or_file: &Path, device: &Device) -> Result<Llm> {
+        Self::load_gguf_on(dir_or_file, device, false)
+    }
+
+    fn load_gguf_on(dir_or_file: &Path, device: &Device, own_cpu_pass: bool) -> Result<Llm> {
         let path = if dir_or_file.is_dir() {
             dir_or_file.join("model.gguf")
         } else {
@@ -301,7 +318,7 @@ impl Llm {
         let stated_context = metadata_int(&content, "llama.context_length")
             .and_then(|v| usize::try_from(v).ok())
             .unwrap_or(DEFAULT_CONTEXT_LENGTH);
-        if device.is_cpu() {
+        if own_cpu_pass && device.is_cpu() {
             let context_length = stated_context.min(MAX_CONTEXT_LENGTH);
             let llama = Llama::from_gguf(&content, &mut reader, context_length)
                 .with_context(|| format!("loading the weights of {}", path.display()))?;
@@ -325,20 +342,26 @@ impl Llm {
             .filter(|(_, info)| device.is_cpu() && WITHOUT_CPU_KERNEL.contains(&info.ggml_dtype))
             .map(|(name, _)| name.as_str())
             .collect();
-        let (weights, weights_bytes) = if slow.is_empty() {
+        let load = |content: Content, mut reader: &mut dyn ReadSeek| -> Result<(Weights, u64)> {
             let bytes = resident_bytes(&content);
-            (ModelWeights::from_gguf(content, &mut reader, device), bytes)
+            let weights = match BatchedLlama::from_gguf(&content, &mut reader, device, context_length)? {
+                Some(batched) => Weights::Batched(batched),
+                None => Weights::Candle(ModelWeights::from_gguf(content, &mut reader, device)?),
+            };
+            Ok((weights, bytes))
+        };
+        let (weights, weights_bytes) = if slow.is_empty() {
+            load(content, &mut reader)
         } else {
             let gguf = requantize(&content, &mut reader, &slow, GgmlDType::Q8_0)
                 .with_context(|| format!("re-quantizing {} to Q8_0", path.display()))?;
             let mut cursor = std::io::Cursor::new(gguf);
             let content = Content::read(&mut cursor)?;
-            let bytes = resident_bytes(&content);
-            (ModelWeights::from_gguf(content, &mut cursor, device), bytes)
-        };
-        let weights = weights.with_context(|| format!("loading the weights of {}", path.display()))?;
+            load(content, &mut cursor)
+        }
+        .with_context(|| format!("loading the weights of {}", path.display()))?;
         Ok(Llm {
-            weights: Weights::Candle(weights),
+            weights,
             tokenizer,
             device: device.clone(),
             end_ids,
@@ -413,10 +436,11 @@ impl Llm {
     /// [`Llm::generate`] would give it alone: the same text for the same seed, and a request
     /// that fails or is canceled leaves the others running.
     ///
-    /// On the CPU (tern's own forward pass, see [`Llm::load_gguf`]) each prompt is read on its
-    /// own, then the requests decode together: one pass through the weights per step serves
-    /// every request still running, which is where batching pays, since a step of one request
-    /// is bound by reading the weights. With candle's forward pass they run one after another.
+    /// Each prompt is read on its own, then the requests decode together: one pass through the
+    /// weights per step serves every request still running, which is where batching pays,
+    /// since a step of one request is bound by reading the weights. So on tern's own CPU pass
+    /// and on candle's ops (GPUs, see [`Llm::load_gguf`]); with candle's `quantized_llama` (llama
+    /// variants neither implements) they run one after another.
     pub fn generate_batch(&self, requests: Vec<GenerationRequest<'_>>) -> Vec<Result<Generation>> {
         let mut results: Vec<Option<Result<Generation>>> = (0..requests.len()).map(|_| None).collect();
         let mut pending = Some(requests);
@@ -439,72 +463,79 @@ impl Llm {
         admit: &mut dyn FnMut(usize) -> Vec<GenerationRequest<'a>>,
         done: &mut dyn FnMut(usize, Result<Generation>),
     ) {
-        let mut next_number = 0;
         match &self.weights {
-            Weights::Tern(llama) => {
-                // (request number, its state, its cache, the token to feed next)
-                let mut live = Vec::new();
+            Weights::Tern(llama) => self.decode_together(llama, admit, done),
+            Weights::Batched(batched) => self.decode_together(batched, admit, done),
+            Weights::Candle(weights) => {
+                let mut next_number = 0;
                 loop {
-                    for request in admit(live.len()) {
-                        let number = next_number;
-                        next_number += 1;
-                        let started = self.start(request).and_then(|(mut seq, ids)| {
-                            let mut cache = llama.new_cache(ids.len() + seq.opts.max_tokens);
-                            let mut logits = Vec::new();
-                            for chunk in ids.chunks(PREFILL_CHUNK) {
-                                logits = llama.forward(chunk, &mut cache)?;
-                            }
-                            let step = seq.step(self, &self.logits_tensor(logits)?)?;
-                            Ok((seq, cache, step))
-                        });
-                        match started {
-                            Ok((seq, cache, Step::Next(token))) => live.push((number, seq, cache, token)),
-                            Ok((_, _, Step::Done(generation))) => done(number, Ok(generation)),
-                            Err(e) => done(number, Err(e)),
-                        }
-                    }
-                    if live.is_empty() {
+                    let requests = admit(0);
+                    if requests.is_empty() {
                         return;
                     }
-                    let tokens: Vec<[u32; 1]> = live.iter().map(|l| [l.3]).collect();
-                    let mut segments: Vec<Segment<'_>> = live
-                        .iter_mut()
-                        .zip(&tokens)
-                        .map(|(l, t)| Segment { tokens: t, cache: &mut l.2 })
-                        .collect();
-                    let logits = llama.forward_batch(&mut segments);
-                    drop(segments);
-                    let logits = match logits {
-                        Ok(l) => l,
-                        Err(e) => {
-                            for (number, ..) in live.drain(..) {
-                                done(number, Err(anyhow!("{e:#}")));
-                            }
-                            continue;
-                        }
-                    };
-                    let mut still = Vec::with_capacity(live.len());
-                    for ((number, mut seq, cache, _), logits) in live.into_iter().zip(logits) {
-                        match self.logits_tensor(logits).and_then(|l| seq.step(self, &l)) {
-                            Ok(Step::Next(token)) => still.push((number, seq, cache, token)),
-                            Ok(Step::Done(generation)) => done(number, Ok(generation)),
-                            Err(e) => done(number, Err(e)),
-                        }
+                    for request in requests {
+                        let number = next_number;
+                        next_number += 1;
+                        done(number, self.start(request).and_then(|(seq, ids)| self.run_with_candle(weights, seq, &ids)));
                     }
-                    live = still;
                 }
             }
-            Weights::Candle(weights) => loop {
-                let requests = admit(0);
-                if requests.is_empty() {
-                    return;
+        }
+    }
+
+    /// [`Llm::generate_continuous`] on a forward pass that decodes requests together.
+    fn decode_together<'a, P: BatchedPass>(
+        &self,
+        pass: &P,
+        admit: &mut dyn FnMut(usize) -> Vec<GenerationRequest<'a>>,
+        done: &mut dyn FnMut(usize, Result<Generation>),
+    ) {
+        let mut next_number = 0;
+        // (request number, its state, its cache, the token to feed next)
+        let mut live = Vec::new();
+        loop {
+            for request in admit(live.len()) {
+                let number = next_number;
+                next_number += 1;
+                let started = self.start(request).and_then(|(mut seq, ids)| {
+                    let mut cache = pass.new_cache(ids.len() + seq.opts.max_tokens);
+                    let mut logits = Vec::new();
+                    for chunk in ids.chunks(PREFILL_CHUNK) {
+                        logits = pass.prefill(chunk, &mut cache)?;
+                    }
+                    let step = seq.step(self, &self.logits_tensor(logits)?)?;
+                    Ok((seq, cache, step))
+                });
+                match started {
+                    Ok((seq, cache, Step::Next(token))) => live.push((number, seq, cache, token)),
+                    Ok((_, _, Step::Done(generation))) => done(number, Ok(generation)),
+                    Err(e) => done(number, Err(e)),
                 }
-                for request in requests {
-                    let number = next_number;
-                    next_number += 1;
-                    done(number, self.start(request).and_then(|(seq, ids)| self.run_with_candle(weights, seq, &ids)));
+            }
+            if live.is_empty() {
+                return;
+            }
+            let mut rows: Vec<(u32, &mut P::Cache)> = live.iter_mut().map(|l| (l.3, &mut l.2)).collect();
+            let logits = pass.step(&mut rows);
+            drop(rows);
+            let logits = match logits {
+                Ok(l) => l,
+                Err(e) => {
+                    for (number, ..) in live.drain(..) {
+                        done(number, Err(anyhow!("{e:#}")));
+                    }
+                    continue;
                 }
-            },
+            };
+            let mut still = Vec::with_capacity(live.len());
+            for ((number, mut seq, cache, _), logits) in live.into_iter().zip(logits) {
+                match self.logits_tensor(logits).and_then(|l| seq.step(self, &l)) {
+                    Ok(Step::Next(token)) => still.push((number, seq, cache, token)),
+                    Ok(Step::Done(generation)) => done(number, Ok(generation)),
+                    Err(e) => done(number, Err(e)),
+                }
+            }
+            live = still;
         }
     }
 
@@ -598,6 +629,57 @@ impl Llm {
         out
     }
 }
+
+/// A forward pass whose requests decode together: each request's prompt is read on its own,
+/// then one step runs a token of every running request, reading the weights once for all.
+trait BatchedPass {
+    /// One request's keys and values.
+    type Cache;
+    /// An empty cache for a request of `capacity` positions.
+    fn new_cache(&self, capacity: usize) -> Self::Cache;
+    /// Runs `tokens` at the positions after those in `cache`; the logits of the last one.
+    fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>>;
+    /// One token of each row at the position after its cache's; the logits of each.
+    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<Vec<Vec<f32>>>;
+}
+
+impl BatchedPass for Llama {
+    type Cache = llama::KvCache;
+
+    fn new_cache(&self, capacity: usize) -> Self::Cache {
+        Llama::new_cache(self, capacity)
+    }
+
+    fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>> {
+        self.forward(tokens, cache)
+    }
+
+    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<Vec<Vec<f32>>> {
+        let tokens: Vec<[u32; 1]> = rows.iter().map(|r| [r.0]).collect();
+        let mut segments: Vec<Segment<'_>> = rows.iter_mut().zip(&tokens).map(|(r, t)| Segment { tokens: t, cache: &mut *r.1 }).collect();
+        self.forward_batch(&mut segments)
+    }
+}
+
+impl BatchedPass for BatchedLlama {
+    type Cache = batched::RowCache;
+
+    fn new_cache(&self, _capacity: usize) -> Self::Cache {
+        BatchedLlama::new_cache(self)
+    }
+
+    fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>> {
+        BatchedLlama::prefill(self, tokens, cache)
+    }
+
+    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<Vec<Vec<f32>>> {
+        BatchedLlama::step(self, rows)
+    }
+}
+
+/// What loading reads the weights from: the file, or a re-quantized copy in memory.
+trait ReadSeek: std::io::Read + std::io::Seek {}
+impl<T: std::io::Read + std::io::Seek> ReadSeek for T {}
 
 /// One request of [`Llm::generate_batch`].
 pub struct GenerationRequest<'a> {

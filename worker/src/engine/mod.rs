@@ -74,8 +74,8 @@ pub struct BatchLimits {
     pub embed_tokens: Option<usize>,
     /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight
     /// in a running generation batch (requests pulled later join it between decoding steps
-    /// while they fit); on the CPU they decode together (one pass through the weights per step
-    /// for all of them), elsewhere one after another. Default 4096.
+    /// while they fit); they decode together, one pass through the weights per step for all of
+    /// them, on the CPU and on a GPU. Default 4096.
     pub generate_tokens: usize,
 }
 
