@@ -85,6 +85,34 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
+/// Relays TCP connections from 127.0.0.1:`port` to `target` (`HOST:PORT`) until dropped: a
+/// backing service that comes up at `port` only once the relay starts, for tests of what
+/// clients do before it does.
+pub struct Relay(tokio::task::JoinHandle<()>);
+
+impl Relay {
+    pub async fn start(port: u16, target: &str) -> Result<Relay> {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+        let target = target.to_string();
+        Ok(Relay(tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let target = target.clone();
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        })))
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// A running tern process, killed when dropped.
 pub struct Process {
     pub name: String,

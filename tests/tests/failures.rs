@@ -172,3 +172,33 @@ async fn a_running_job_canceled_after_its_worker_died_ends_canceled_instead_of_r
     assert_eq!(cluster.state_of(ids[0]).await.unwrap(), "canceled");
     assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
 }
+
+/// A worker started while Redis and S3 are unreachable waits for them, saying so in its log,
+/// instead of exiting; once they come up (here: relays to the real servers start on the ports
+/// it was given) it runs the job that waited.
+#[tokio::test]
+async fn a_worker_started_before_redis_and_s3_are_reachable_waits_for_them() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let (redis_port, s3_port) = (tern_e2e::free_port(), tern_e2e::free_port());
+    let redis_url = format!("redis://127.0.0.1:{redis_port}");
+    let s3_url = format!("http://127.0.0.1:{s3_port}");
+    let mut worker = cluster.spawn_worker(&[("TERN_REDIS_URL", &redis_url), ("TERN_S3_ENDPOINT", &s3_url), ("TERN_WORKER_KINDS", "echo")]).unwrap();
+    let ids = cluster.submit_all(&sleeping_jobs(1, 0)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(worker.is_running(), "the worker exited:\n{}", worker.log_text());
+    assert!(worker.log_text().contains("waiting for Redis"), "{}", worker.log_text());
+
+    let host_port = |url: String| url.split("://").nth(1).unwrap_or_default().trim_end_matches('/').to_string();
+    let _redis = tern_e2e::Relay::start(redis_port, &host_port(tern_e2e::redis_url())).await.unwrap();
+    cluster
+        .wait_until("the worker to wait for S3 next", Duration::from_secs(20), || async { Ok(worker.log_text().contains("waiting for the S3 bucket")) })
+        .await
+        .unwrap();
+    assert!(worker.is_running(), "the worker exited:\n{}", worker.log_text());
+    assert_eq!(cluster.state_of(ids[0]).await.unwrap(), "queued");
+
+    let _s3 = tern_e2e::Relay::start(s3_port, &host_port(tern_e2e::s3_endpoint())).await.unwrap();
+    let states = cluster.wait_terminal(&ids, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(states.get("succeeded"), Some(&1), "{states:?}\n{}", worker.log_text());
+    assert!(worker.log_text().contains("reached the S3 bucket"));
+}

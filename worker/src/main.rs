@@ -155,6 +155,42 @@ fn optimisations(cli: &Cli) -> Vec<String> {
     out
 }
 
+/// First wait between tries to reach a backing service at start-up; it doubles after each
+/// failure up to [`START_RETRY_MAX`].
+const START_RETRY_FIRST: Duration = Duration::from_millis(250);
+const START_RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// Tries `attempt` until it succeeds, logging each failure and waiting longer after each (from
+/// [`START_RETRY_FIRST`] up to [`START_RETRY_MAX`]): a worker started while Postgres, Redis or
+/// S3 is briefly unreachable waits for it, as it does once running, instead of exiting into a
+/// supervisor's restart loop. SIGTERM or Ctrl-C ends the wait (and the worker).
+async fn wait_for<T, E, F>(service: &str, mut attempt: impl FnMut() -> F) -> anyhow::Result<T>
+where
+    E: std::fmt::Display,
+    F: std::future::Future<Output = Result<T, E>>,
+{
+    let (started, mut delay, mut failures) = (std::time::Instant::now(), START_RETRY_FIRST, 0u32);
+    loop {
+        match attempt().await {
+            Ok(value) => {
+                if failures > 0 {
+                    tracing::info!(service, waited_ms = started.elapsed().as_millis() as u64, "reached {service}");
+                }
+                return Ok(value);
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(service, error = %e, failures, retry_in_ms = delay.as_millis() as u64, "waiting for {service}: not reachable yet");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown_signal() => anyhow::bail!("stopped while waiting for {service}"),
+                }
+                delay = (delay * 2).min(START_RETRY_MAX);
+            }
+        }
+    }
+}
+
 /// How often the worker writes its row in `workers` (and learns whether to drain).
 const REGISTRY_INTERVAL: Duration = Duration::from_secs(2);
 
@@ -192,13 +228,12 @@ async fn run() -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?
     };
     let worker_id = cli.worker_id.clone().unwrap_or_else(default_worker_id);
-    let store = Store::connect(&cli.services.database.database_url, cli.services.database.database_max_connections)
-        .await
-        .context("connecting to Postgres")?;
+    let database = &cli.services.database;
+    let store = wait_for("Postgres", || Store::connect(&database.database_url, database.database_max_connections)).await?;
     let queue = cli.services.queue.connect().context("configuring Redis")?;
-    queue.ping().await.context("reaching Redis")?;
+    wait_for("Redis", || queue.ping()).await?;
     let objects = ObjectStore::new(&cli.services.s3.settings());
-    objects.ensure_bucket().await.context("reaching the S3 bucket")?;
+    wait_for("the S3 bucket", || objects.ensure_bucket()).await?;
 
     let defaults = engine::ModelNames {
         whisper: cli.whisper_model.clone(),
