@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use tern_jobs::file_ref::{FileRef, FileRefError};
 use tern_jobs::job::{MAX_ATTEMPTS_LIMIT, METADATA_MAX_BYTES, TIMEOUT_MS_LIMIT};
 use tern_jobs::{schemas, JobKind, NewJob, ObjectStore, Priority};
-use tern_models::{audio, whisper};
+use tern_audio as audio;
 use uuid::Uuid;
 
 /// Longest accepted idempotency key, characters.
@@ -288,8 +288,7 @@ pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore, max_aud
                     ));
                 }
                 if probes_audio {
-                    let bytes = objects.get(&key, PROBE_MAX_BYTES).await?;
-                    job.cost = audio_cost(bytes, max_audio_seconds).await?;
+                    job.cost = upload_cost(objects, &key, max_audio_seconds).await?;
                 }
             }
             FileRef::Url(_) => {}
@@ -298,18 +297,41 @@ pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore, max_aud
     Ok(())
 }
 
-/// The cost (30 s windows) of audio, probing its duration off the async runtime.
+/// The cost (30 s windows) of audio, probing its duration off the async runtime; a count of
+/// frames stops past the limit.
 async fn audio_cost(bytes: bytes::Bytes, max_audio_seconds: f64) -> Result<i32, ApiError> {
-    let seconds = tokio::task::spawn_blocking(move || audio::probe_duration(&bytes))
+    let seconds = probe(move || audio::probe_duration_within(&bytes, max_audio_seconds)).await?;
+    Ok(audio::windows_for(seconds) as i32)
+}
+
+/// The cost of an upload: from the headers in its first [`audio::HEADER_PREFIX_BYTES`] where
+/// they state its duration (WAV, FLAC, MP3 with a Xing header), else from the whole object.
+async fn upload_cost(objects: &ObjectStore, key: &str, max_audio_seconds: f64) -> Result<i32, ApiError> {
+    let prefix = objects.get_prefix(key, audio::HEADER_PREFIX_BYTES as u64).await?;
+    let declared = probe(move || audio::probe_prefix(&prefix)).await;
+    match declared {
+        Ok(Some(seconds)) if seconds > max_audio_seconds => Err(too_long(seconds, max_audio_seconds)),
+        Ok(Some(seconds)) if seconds > 0.0 => Ok(audio::windows_for(seconds) as i32),
+        // No stated duration, or a prefix that does not open alone: the whole file decides.
+        _ => audio_cost(objects.get(key, PROBE_MAX_BYTES).await?, max_audio_seconds).await,
+    }
+}
+
+/// Runs an audio probe off the async runtime, mapping its errors to the API's.
+async fn probe<T: Send + 'static>(f: impl FnOnce() -> Result<T, audio::AudioError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
-        .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string()))?;
-    if seconds > max_audio_seconds {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "audio_too_long",
-            format!("the audio lasts {seconds:.1} s; the limit is {max_audio_seconds:.0} s"),
-        ));
-    }
-    Ok(whisper::windows_for(seconds) as i32)
+        .map_err(|e| match e {
+            audio::AudioError::TooLong { seconds, limit } => too_long(seconds, limit),
+            e => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string()),
+        })
+}
+
+fn too_long(seconds: f64, limit: f64) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "audio_too_long",
+        format!("the audio lasts at least {seconds:.1} s; the limit is {limit:.0} s"),
+    )
 }

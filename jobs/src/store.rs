@@ -306,6 +306,13 @@ impl Store {
         })
     }
 
+    /// Records a job's cost once it is known: audio given by URL is priced at one window until
+    /// its worker has decoded it.
+    pub async fn set_cost(&self, id: Uuid, cost: i32) -> Result<()> {
+        sqlx::query("UPDATE jobs SET cost = $2 WHERE id = $1").bind(id).bind(cost).execute(&self.pool).await?;
+        Ok(())
+    }
+
     /// Marks leased jobs running under their fencing tokens, in one statement. Returns the jobs
     /// that may run: those that were still waiting. A job canceled, finished or taken by another
     /// lease in the meantime is left out, and its lease should be dropped.

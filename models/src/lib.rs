@@ -15,7 +15,8 @@
 
 #[cfg(feature = "allocator")]
 pub mod allocator;
-pub mod audio;
+/// Audio input, re-exported from `tern-audio`, which the API uses without the models.
+pub use tern_audio as audio;
 mod bert;
 pub mod cpu_threads;
 mod linear;

@@ -244,3 +244,42 @@ async fn canceling_a_long_transcription_stops_it_between_windows() {
     assert_eq!(job["state"], "canceled", "{job}");
     assert!(most < 10, "all {most} windows ran before the cancel took effect");
 }
+
+/// A long recording given by URL (two hours of 8 kHz 8-bit silence, 58 MB, over a one-hour
+/// limit) fails `audio_too_long` from its header: the worker never holds its samples (which
+/// decoded whole took ~700 MB, at 16 kHz f32 and the copies on the way), so one file cannot
+/// take workers down. The worker's peak resident set is the check.
+#[tokio::test]
+async fn a_long_recording_by_url_is_refused_without_decoding_it() {
+    let limit = [("TERN_MAX_AUDIO_SECONDS", "3600")];
+    let mut cluster = Cluster::start(&limit).await.unwrap();
+    let seconds = 2 * 3600u32;
+    let data_len = seconds * 8_000;
+    let mut wav = Vec::with_capacity(44 + data_len as usize);
+    wav.extend_from_slice(b"RIFF");
+    wav.extend_from_slice(&(36 + data_len).to_le_bytes());
+    wav.extend_from_slice(b"WAVEfmt ");
+    // PCM, mono, 8 kHz, 8 kB/s, 1-byte frames, 8 bits.
+    for field in [16u32.to_le_bytes().to_vec(), 1u16.to_le_bytes().to_vec(), 1u16.to_le_bytes().to_vec(), 8_000u32.to_le_bytes().to_vec(), 8_000u32.to_le_bytes().to_vec(), 1u16.to_le_bytes().to_vec(), 8u16.to_le_bytes().to_vec()] {
+        wav.extend_from_slice(&field);
+    }
+    wav.extend_from_slice(b"data");
+    wav.extend_from_slice(&data_len.to_le_bytes());
+    wav.resize(44 + data_len as usize, 128);
+    let wav = axum::body::Bytes::from(wav);
+    let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = server.local_addr().unwrap().port();
+    let app = axum::Router::new().route("/long.wav", axum::routing::get(move || async move { wav.clone() }));
+    tokio::spawn(async move { axum::serve(server, app).await.unwrap() });
+
+    let worker = cluster.spawn_worker(&[("TERN_MAX_AUDIO_SECONDS", "3600"), ("TERN_WORKER_KINDS", "transcribe")]).unwrap();
+    let job = json!({"kind": "transcribe", "input": {"audio": {"url": format!("http://127.0.0.1:{port}/long.wav")}}});
+    let ids = cluster.submit_all(&[job]).await.unwrap();
+    let states = cluster.wait_terminal(&ids, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(states.get("failed"), Some(&1), "{states:?}");
+    let (code,): (String,) = sqlx::query_as("SELECT error->>'code' FROM jobs WHERE id = $1").bind(ids[0]).fetch_one(&cluster.pg).await.unwrap();
+    assert_eq!(code, "audio_too_long");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid())).unwrap();
+    let peak_kb: u64 = status.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).unwrap().parse().unwrap();
+    assert!(peak_kb < 400 * 1024, "the worker's peak resident set was {} MB", peak_kb / 1024);
+}

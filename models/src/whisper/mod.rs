@@ -27,8 +27,8 @@ use tokenizers::Tokenizer;
 use decode::Specials;
 pub use decode::DecodeStats;
 
-/// Length of one Whisper window in seconds: every window costs a full encoder pass.
-const WINDOW_SECONDS: f64 = m::CHUNK_LENGTH as f64;
+// The cost unit the API prices audio in (tern_audio::windows_for) is Whisper's window.
+const _: () = assert!(m::CHUNK_LENGTH == tern_audio::WINDOW_SECONDS as usize);
 /// Windows encoded and decoded together (bounds memory: ~20 MB of cross-attention keys/values
 /// per window for tiny, more for larger models).
 const DECODE_BATCH: usize = 8;
@@ -164,14 +164,7 @@ const _: () = {
     assert_send::<Whisper>();
 };
 
-/// Number of 30 s windows audio of `seconds` costs: `ceil(seconds / 30)`, at least 1 (empty or
-/// sub-second audio still costs one encoder pass).
-pub fn windows_for(seconds: f64) -> usize {
-    if !seconds.is_finite() || seconds <= 0.0 {
-        return 1;
-    }
-    ((seconds / WINDOW_SECONDS).ceil() as usize).max(1)
-}
+pub use tern_audio::windows_for;
 
 /// Encoder positions of a full window (20 ms each).
 const FULL_POSITIONS: usize = m::N_FRAMES / 2;

@@ -25,17 +25,21 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         Ok(b) => b,
         Err((failure, permanent)) => return Execution::Failed { failure, permanent },
     };
-    let pcm = match tokio::task::spawn_blocking(move || audio::decode_mono_16k(&bytes)).await {
+    // Decoding stops at the limit (at once where the headers state a longer duration): a long
+    // recording never costs more memory than the limit's worth of samples.
+    let limit = ctx.max_audio_seconds;
+    let pcm = match tokio::task::spawn_blocking(move || audio::decode_mono_16k_within(&bytes, limit)).await {
         Ok(Ok(pcm)) => pcm,
         Ok(Err(e)) => return permanent(e.code(), e.to_string()),
         Err(e) => return Execution::Failed { failure: Failure::new("inference_failed", e.to_string()), permanent: false },
     };
     let duration = pcm.len() as f64 / f64::from(audio::SAMPLE_RATE);
-    if duration > ctx.max_audio_seconds {
-        return permanent(
-            "audio_too_long",
-            format!("the audio lasts {duration:.1} s; the limit is {:.0} s", ctx.max_audio_seconds),
-        );
+    // Audio given by URL was priced at one window before its duration was known.
+    let windows = audio::windows_for(duration) as i32;
+    if windows != job.cost {
+        if let Err(e) = ctx.store.set_cost(job.id, windows).await {
+            tracing::warn!(error = %e, job = %job.id, "could not record the audio's cost");
+        }
     }
     if ctx.stop.reason().is_some() {
         return Execution::Stopped;

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use tern_models::audio::{decode_mono_16k, probe_duration, AudioError, SAMPLE_RATE};
+use tern_audio::{decode_mono_16k, decode_mono_16k_within, probe_duration, probe_duration_within, probe_prefix, AudioError, SAMPLE_RATE};
 
 fn clip() -> Option<Vec<u8>> {
     let dir = std::env::var_os("TERN_MODELS_DIR")
@@ -129,4 +129,32 @@ fn error_codes_are_stable() {
         AudioError::Unreadable("x".into()).code(),
         "audio_unreadable"
     );
+}
+
+/// A WAV header that states `seconds` of 8 kHz mono 16-bit audio, followed by one second of it.
+fn wav_stating(seconds: u32) -> Vec<u8> {
+    let mut bytes = wav(8_000, 1, &vec![0i16; 8_000]);
+    let data_len = seconds * 8_000 * 2;
+    bytes[4..8].copy_from_slice(&(36 + data_len).to_le_bytes());
+    bytes[40..44].copy_from_slice(&data_len.to_le_bytes());
+    bytes
+}
+
+/// A recording whose header states ten hours is refused from the header, before any sample is
+/// decoded, by the worker's decode and the API's probe alike; the header alone (a file's first
+/// bytes) tells the length.
+#[test]
+fn a_recording_longer_than_the_limit_is_refused_from_its_header() {
+    let ten_hours = wav_stating(36_000);
+    assert_eq!(probe_prefix(&ten_hours[..1024]).unwrap(), Some(36_000.0));
+    match decode_mono_16k_within(&ten_hours, 60.0) {
+        Err(AudioError::TooLong { seconds, limit }) => assert_eq!((seconds, limit), (36_000.0, 60.0)),
+        other => panic!("expected too long, got {:?}", other.map(|p| p.len())),
+    }
+    assert_eq!(probe_duration_within(&ten_hours, 60.0).unwrap_err().code(), "audio_too_long");
+    // Within the limit the same header is a truncated file, as before.
+    assert_eq!(decode_mono_16k(&ten_hours).unwrap_err().code(), "audio_unreadable");
+    let second = wav(8_000, 1, &vec![0i16; 8_000]);
+    assert_eq!(decode_mono_16k_within(&second, 1.0).unwrap().len(), 16_000);
+    assert!(probe_duration_within(&second, 0.5).is_err());
 }

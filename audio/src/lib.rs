@@ -1,4 +1,7 @@
-//! Audio input: probing durations and decoding uploads to the 16 kHz mono f32 PCM Whisper wants.
+//! Audio input: probing durations and decoding uploads to the 16 kHz mono f32 PCM Whisper wants,
+//! within a duration limit, so that no recording, however long, costs more memory than the
+//! limit's worth of samples. The API probes with it (and so does not link the models); the
+//! workers decode with it.
 //!
 //! Decoding is pure Rust (symphonia for containers/codecs, rubato for resampling) so the crate
 //! builds without C toolchains or system libraries.
@@ -17,6 +20,22 @@ use symphonia::core::meta::MetadataOptions;
 /// Sample rate (Hz) of the PCM that [`decode_mono_16k`] returns and Whisper consumes.
 pub const SAMPLE_RATE: u32 = 16_000;
 
+/// Whisper's window: a transcription costs one unit per started 30 s.
+pub const WINDOW_SECONDS: f64 = 30.0;
+
+/// Bytes of a file's start that hold the headers of WAV, FLAC and MP3 files whose headers state
+/// their length: what [`probe_prefix`] needs.
+pub const HEADER_PREFIX_BYTES: usize = 1 << 20;
+
+/// Number of 30 s windows audio of `seconds` costs: `ceil(seconds / 30)`, at least 1 (empty or
+/// sub-second audio still costs one encoder pass).
+pub fn windows_for(seconds: f64) -> usize {
+    if !seconds.is_finite() || seconds <= 0.0 {
+        return 1;
+    }
+    ((seconds / WINDOW_SECONDS).ceil() as usize).max(1)
+}
+
 /// Why an upload cannot be turned into audio. Each variant has a stable machine code, see
 /// [`AudioError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -29,12 +48,12 @@ pub enum AudioError {
     #[error("audio is empty")]
     Empty,
     /// The audio is longer than the caller's limit (both in seconds). Code `audio_too_long`.
-    /// Not raised by this module's functions, which take no limit; callers compare
-    /// [`probe_duration`] against their own limit and report it with this variant so the code is
-    /// the same everywhere.
-    #[error("audio is {seconds:.1} s long, the limit is {limit:.1} s")]
+    /// Raised from the headers before decoding where they state the length, else as soon as
+    /// the decoded audio passes the limit.
+    #[error("the audio lasts at least {seconds:.1} s; the limit is {limit:.0} s")]
     TooLong {
-        /// Duration of the audio.
+        /// Duration of the audio: the whole, from the headers, or what was decoded before
+        /// decoding stopped.
         seconds: f64,
         /// The limit it exceeded.
         limit: f64,
@@ -52,7 +71,6 @@ impl AudioError {
     }
 }
 
-/// Opens the container and finds its first audio track.
 /// An opened container and what its headers say of the default audio track.
 struct Opened {
     format: Box<dyn FormatReader + 'static>,
@@ -64,7 +82,11 @@ struct Opened {
 
 fn open(bytes: &[u8]) -> Result<Opened, AudioError> {
     // symphonia wants an owned source; one copy of the upload is cheap next to decoding it.
-    let mss = MediaSourceStream::new(Box::new(Cursor::new(bytes.to_vec())), Default::default());
+    open_source(Cursor::new(bytes.to_vec()))
+}
+
+fn open_source(source: Cursor<Vec<u8>>) -> Result<Opened, AudioError> {
+    let mss = MediaSourceStream::new(Box::new(source), Default::default());
     let format = symphonia::default::get_probe()
         .probe(
             &Hint::new(),
@@ -86,9 +108,36 @@ fn open(bytes: &[u8]) -> Result<Opened, AudioError> {
     Ok(Opened { format, track_id, params, frames })
 }
 
-/// Decodes every packet of the track: interleaved f32 samples, channel count, sample rate.
-fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError> {
-    let Opened { mut format, track_id, params, frames } = open(bytes)?;
+impl Opened {
+    /// The duration the headers state, if they do.
+    fn declared_seconds(&self) -> Option<f64> {
+        match (self.frames, self.params.sample_rate) {
+            (Some(frames), Some(rate)) if rate > 0 => Some(frames as f64 / rate as f64),
+            _ => None,
+        }
+    }
+}
+
+/// What [`decode_interleaved`] gives: the samples (when kept), frames, channels, sample rate.
+struct Decoded {
+    interleaved: Vec<f32>,
+    frames: u64,
+    channels: usize,
+    rate: u32,
+}
+
+/// Decodes every packet of the track, keeping the interleaved f32 samples when `keep` (else
+/// only counting frames, in memory of one packet). Stops with [`AudioError::TooLong`] once
+/// the audio passes `limit` seconds: at once when the headers state a longer duration, else
+/// when the decoded frames pass it, so at most the limit's worth of samples is ever held.
+fn decode_interleaved(bytes: &[u8], limit: f64, keep: bool) -> Result<Decoded, AudioError> {
+    let opened = open(bytes)?;
+    if let Some(seconds) = opened.declared_seconds() {
+        if seconds > limit {
+            return Err(AudioError::TooLong { seconds, limit });
+        }
+    }
+    let Opened { mut format, track_id, params, frames } = opened;
     // Frames the container declares (WAV, FLAC do): fewer decoded means the file was cut short.
     let declared_frames = frames;
     let mut decoder = symphonia::default::get_codecs()
@@ -97,6 +146,7 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
 
     let mut samples: Vec<f32> = Vec::new();
     let mut chunk: Vec<f32> = Vec::new();
+    let mut decoded_frames = 0u64;
     let mut channels = params.channels.as_ref().map(|c| c.count()).unwrap_or(0);
     let mut rate = params.sample_rate.unwrap_or(0);
     let mut decoded_any = false;
@@ -106,10 +156,6 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
             Ok(Some(p)) => p,
             Ok(None) => break,
             // A truncated file ends in an I/O error: keep what decoded before it.
-            Err(SymError::IoError(e)) => {
-                last_error = Some(e.to_string());
-                break;
-            }
             Err(e) => {
                 last_error = Some(e.to_string());
                 break;
@@ -123,9 +169,15 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
                 decoded_any = true;
                 channels = buf.spec().channels().count();
                 rate = buf.spec().rate();
-                chunk.clear();
-                buf.copy_to_vec_interleaved(&mut chunk);
-                samples.extend_from_slice(&chunk);
+                decoded_frames += buf.frames() as u64;
+                if rate > 0 && decoded_frames as f64 / rate as f64 > limit {
+                    return Err(AudioError::TooLong { seconds: decoded_frames as f64 / rate as f64, limit });
+                }
+                if keep {
+                    chunk.clear();
+                    buf.copy_to_vec_interleaved(&mut chunk);
+                    samples.extend_from_slice(&chunk);
+                }
             }
             // Corrupt packets are skipped, as players do; a file with none good is unreadable.
             Err(SymError::DecodeError(e)) => last_error = Some(e.to_string()),
@@ -136,7 +188,7 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
             }
         }
     }
-    if samples.is_empty() {
+    if decoded_frames == 0 {
         return match (decoded_any, last_error) {
             (false, Some(e)) => Err(AudioError::Unreadable(e)),
             _ => Err(AudioError::Empty),
@@ -148,36 +200,56 @@ fn decode_interleaved(bytes: &[u8]) -> Result<(Vec<f32>, usize, u32), AudioError
         ));
     }
     if let Some(declared) = declared_frames {
-        let decoded = (samples.len() / channels) as u64;
         // A few frames of slack for codecs whose last packet is padded or trimmed.
-        if decoded + u64::from(rate / 100) < declared {
+        if decoded_frames + u64::from(rate / 100) < declared {
             return Err(AudioError::Unreadable(format!(
-                "truncated: the header declares {declared} frames, only {decoded} are present"
+                "truncated: the header declares {declared} frames, only {decoded_frames} are present"
             )));
         }
     }
-    Ok((samples, channels, rate))
+    Ok(Decoded { interleaved: samples, frames: decoded_frames, channels, rate })
+}
+
+/// [`probe_duration_within`] with no limit.
+pub fn probe_duration(bytes: &[u8]) -> Result<f64, AudioError> {
+    probe_duration_within(bytes, f64::INFINITY)
 }
 
 /// Duration in seconds. Taken from the container/codec headers where they state it
 /// (`n_frames / sample_rate`, so a WAV is never decoded just to probe it); streams whose headers
-/// do not say (e.g. some MP3/OGG) are decoded fully to count frames.
+/// do not say (e.g. some MP3/OGG) are decoded to count frames, keeping no samples, and the
+/// count stops past `limit` seconds.
 ///
 /// Errors: [`AudioError::Unreadable`] for anything symphonia cannot open, [`AudioError::Empty`]
-/// when the stream holds zero frames.
-pub fn probe_duration(bytes: &[u8]) -> Result<f64, AudioError> {
+/// when the stream holds zero frames, [`AudioError::TooLong`] past `limit`.
+pub fn probe_duration_within(bytes: &[u8], limit: f64) -> Result<f64, AudioError> {
     let opened = open(bytes)?;
-    if let (Some(frames), Some(rate)) = (opened.frames, opened.params.sample_rate) {
-        if rate > 0 {
-            if frames == 0 {
-                return Err(AudioError::Empty);
-            }
-            return Ok(frames as f64 / rate as f64);
+    if let Some(seconds) = opened.declared_seconds() {
+        if opened.frames == Some(0) {
+            return Err(AudioError::Empty);
         }
+        return match seconds > limit {
+            true => Err(AudioError::TooLong { seconds, limit }),
+            false => Ok(seconds),
+        };
     }
     drop(opened);
-    let (samples, channels, rate) = decode_interleaved(bytes)?;
-    Ok((samples.len() / channels) as f64 / rate as f64)
+    let decoded = decode_interleaved(bytes, limit, false)?;
+    Ok(decoded.frames as f64 / decoded.rate as f64)
+}
+
+/// The duration the headers in `prefix`, the first bytes of a file (at least
+/// [`HEADER_PREFIX_BYTES`] of it, or all), state, without the rest of the file: `Ok(None)`
+/// when they do not say (then probe the whole file with [`probe_duration_within`]).
+pub fn probe_prefix(prefix: &[u8]) -> Result<Option<f64>, AudioError> {
+    let opened = open(prefix)?;
+    Ok(opened.declared_seconds())
+}
+
+/// [`decode_mono_16k_within`] with no limit: for audio already known to be short (test
+/// speech, health checks), never for a job's input.
+pub fn decode_mono_16k(bytes: &[u8]) -> Result<Vec<f32>, AudioError> {
+    decode_mono_16k_within(bytes, f64::INFINITY)
 }
 
 /// Decodes WAV/FLAC/MP3/OGG-Vorbis bytes, downmixes to mono (channel mean) and resamples to
@@ -186,9 +258,10 @@ pub fn probe_duration(bytes: &[u8]) -> Result<f64, AudioError> {
 /// Corrupt packets are skipped, as players do. A file whose container declares more frames than
 /// it holds (cut short in transfer) is [`AudioError::Unreadable`].
 /// Errors: [`AudioError::Unreadable`] when nothing can be decoded or the file is truncated, [`AudioError::Empty`] when the
-/// stream decodes to no samples. No length limit is applied here (see [`AudioError::TooLong`]).
-pub fn decode_mono_16k(bytes: &[u8]) -> Result<Vec<f32>, AudioError> {
-    let (interleaved, channels, rate) = decode_interleaved(bytes)?;
+/// stream decodes to no samples, [`AudioError::TooLong`] past `limit` seconds (decoding stops
+/// there: see [`decode_interleaved`]).
+pub fn decode_mono_16k_within(bytes: &[u8], limit: f64) -> Result<Vec<f32>, AudioError> {
+    let Decoded { interleaved, channels, rate, .. } = decode_interleaved(bytes, limit, true)?;
     let mono: Vec<f32> = if channels == 1 {
         interleaved
     } else {
