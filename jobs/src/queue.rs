@@ -72,6 +72,10 @@ pub enum LeaseStatus {
     Lost,
     /// Held, and the job was asked to cancel.
     CancelRequested,
+    /// Redis lost its data and the reconciler has not put the leases back yet: keep working;
+    /// the reconciler restores the lease with the token Postgres holds, and Postgres refuses
+    /// an outcome whose token is not that one.
+    Unconfirmed,
 }
 
 /// What to do with a lease's job in Redis after Postgres settled it.
@@ -237,6 +241,7 @@ impl Queue {
             inv.key(self.key(kind, "leases"))
                 .key(self.key(kind, "tokens"))
                 .key(self.key(kind, "canceled"))
+                .key(self.key(kind, "restored"))
                 .arg(self.lease_ms());
             for (id, token) in chunk {
                 inv.arg(id.to_string()).arg(*token);
@@ -245,6 +250,7 @@ impl Queue {
             out.extend(codes.into_iter().map(|code| match code {
                 0 => LeaseStatus::Held,
                 2 => LeaseStatus::CancelRequested,
+                3 => LeaseStatus::Unconfirmed,
                 _ => LeaseStatus::Lost,
             }));
         }
@@ -442,6 +448,18 @@ impl Queue {
     pub async fn epoch(&self) -> Result<Option<String>> {
         let mut c = self.conn().await?;
         Ok(c.get(format!("{}:epoch", self.prefix)).await?)
+    }
+
+    /// Marks each kind's keys as holding what Postgres holds (the reconciler, after a sweep):
+    /// from then on a heartbeat for a lease Redis does not know is refused as lost, where
+    /// before it is unconfirmed ([`LeaseStatus::Unconfirmed`]). The marker sits in the kind's
+    /// own slot, so a loss of the kind's keys takes it too.
+    pub async fn mark_restored(&self) -> Result<()> {
+        let mut c = self.conn().await?;
+        for kind in JobKind::ALL {
+            let _: () = c.set(self.key(*kind, "restored"), 1).await?;
+        }
+        Ok(())
     }
 
     pub async fn set_epoch(&self, value: &str) -> Result<()> {

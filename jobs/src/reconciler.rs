@@ -78,6 +78,7 @@ impl Reconciler {
         if epoch.is_none() {
             self.queue.set_epoch(&Uuid::now_v7().to_string()).await?;
         }
+        self.queue.mark_restored().await?;
         if restored > 0 {
             tracing::warn!(restored, redis_data_lost = epoch.is_none(), "restored jobs Redis did not hold");
         }

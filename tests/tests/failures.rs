@@ -202,3 +202,67 @@ async fn a_worker_started_before_redis_and_s3_are_reachable_waits_for_them() {
     assert_eq!(states.get("succeeded"), Some(&1), "{states:?}\n{}", worker.log_text());
     assert!(worker.log_text().contains("reached the S3 bucket"));
 }
+
+/// A queue of its own on the real Redis (a fresh key prefix), with short leases.
+fn private_queue(lease_ms: u64) -> (tern_jobs::Queue, String) {
+    let prefix = format!("tern-test-{}", Uuid::now_v7().simple());
+    let settings = tern_jobs::queue::QueueSettings { lease: Duration::from_millis(lease_ms), ..Default::default() };
+    (tern_jobs::Queue::connect(&tern_e2e::redis_url(), &prefix, 4, settings).unwrap(), prefix)
+}
+
+/// Deletes every key of `prefix`: Redis losing this queue's data.
+async fn lose_data(prefix: &str) {
+    let mut c = redis::Client::open(tern_e2e::redis_url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}:*")).query_async(&mut c).await.unwrap();
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut c).await.unwrap();
+    }
+}
+
+fn echo_job() -> tern_jobs::queue::Enqueue {
+    tern_jobs::queue::Enqueue { id: Uuid::now_v7(), kind: tern_jobs::JobKind::Echo, priority: Default::default(), cost: 1, run_at: None }
+}
+
+/// Issue 20, item 2: a heartbeat from a worker whose lease was reaped does not bring the lease
+/// back (the job's retry would then wait for that worker's timeout); it is told the lease is
+/// lost. After Redis lost its data and before the reconciler restored it, a heartbeat neither
+/// recreates the lease nor is told it lost it.
+#[tokio::test]
+async fn a_stale_heartbeat_cannot_bring_back_a_reaped_lease() {
+    use tern_jobs::queue::{LeaseStatus, SettleAction};
+    let kind = tern_jobs::JobKind::Echo;
+    let (queue, prefix) = private_queue(100);
+    queue.mark_restored().await.unwrap();
+    let job = echo_job();
+    queue.enqueue(std::slice::from_ref(&job)).await.unwrap();
+    let lease = queue.pull(kind, 1, 1).await.unwrap().remove(0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(queue.reap(kind, 10).await.unwrap(), vec![(job.id, Some(lease.token))]);
+    // The reaper's caller puts the job back for its retry.
+    queue.settle(kind, &[(job.id, lease.token, SettleAction::At(chrono::Utc::now()))]).await.unwrap();
+
+    let status = queue.heartbeat(kind, &[(job.id, lease.token)]).await.unwrap();
+    assert_eq!(status, vec![LeaseStatus::Lost], "the reaped lease stays reaped");
+    let again = queue.pull(kind, 1, 1).await.unwrap();
+    assert_eq!(again.len(), 1, "the retry is pulled at once, not held behind a resurrected lease");
+    assert!(again[0].token > lease.token);
+
+    lose_data(&prefix).await;
+    assert_eq!(queue.heartbeat(kind, &[(job.id, again[0].token)]).await.unwrap(), vec![LeaseStatus::Unconfirmed]);
+    assert_eq!(queue.reap(kind, 10).await.unwrap(), vec![], "no lease was recreated by the heartbeat");
+}
+
+/// Issue 20, item 3: fencing tokens keep growing after Redis loses its data, so a token a
+/// stale worker holds is never issued again.
+#[tokio::test]
+async fn fencing_tokens_grow_across_a_loss_of_redis_data() {
+    let kind = tern_jobs::JobKind::Echo;
+    let (queue, prefix) = private_queue(30_000);
+    let mut tokens = Vec::new();
+    for _ in 0..3 {
+        queue.enqueue(&[echo_job()]).await.unwrap();
+        tokens.push(queue.pull(kind, 1, 1).await.unwrap().remove(0).token);
+        lose_data(&prefix).await;
+    }
+    assert!(tokens.windows(2).all(|w| w[1] > w[0]), "tokens {tokens:?}");
+}

@@ -25,7 +25,7 @@ pub async fn keep(queue: Queue, kind: JobKind, jobs: Vec<HeldJob>, interval: Dur
             Ok(statuses) => {
                 for (job, status) in jobs.iter().zip(statuses) {
                     match status {
-                        LeaseStatus::Held => {}
+                        LeaseStatus::Held | LeaseStatus::Unconfirmed => {}
                         LeaseStatus::CancelRequested => job.stop.raise(StopReason::Cancel),
                         LeaseStatus::Lost => {
                             tracing::warn!(job_id = %job.id, "lease lost; stopping the job");

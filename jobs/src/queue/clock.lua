@@ -27,6 +27,19 @@ local function meta_cost(meta)
   return tonumber(string.match(meta, ':(%d+)$'))
 end
 
+-- The next value of a kind's sequence, which numbers ready jobs (FIFO) and issues fencing
+-- tokens. A missing counter means Redis lost its data: it restarts from the clock in
+-- microseconds, above every token issued before the loss unless those averaged over one a
+-- microsecond, so a stale worker never holds a token that is issued again (Postgres fences
+-- outcomes by it). Microseconds since 1970 stay exact in Lua's doubles until the year 2255.
+local function next_seq(seq)
+  if redis.call('EXISTS', seq) == 0 then
+    local t = redis.call('TIME')
+    redis.call('SET', seq, tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  end
+  return redis.call('INCR', seq)
+end
+
 -- Puts a waiting job in its delayed set (run_at still ahead) or its ready set, and records its
 -- metadata. Used by enqueue and restore.
 local function admit(ready, delayed, meta, seq, id, rank, cost, run_at, now, step)
@@ -34,6 +47,6 @@ local function admit(ready, delayed, meta, seq, id, rank, cost, run_at, now, ste
   if run_at > now then
     redis.call('ZADD', delayed, run_at, id)
   else
-    redis.call('ZADD', ready, ready_score(now, rank, step, redis.call('INCR', seq)), id)
+    redis.call('ZADD', ready, ready_score(now, rank, step, next_seq(seq)), id)
   end
 end

@@ -1,16 +1,22 @@
 -- Extend a worker's leases and tell it which of its jobs were canceled or lost.
 -- KEYS[1] leases zset   KEYS[2] lease tokens hash   KEYS[3] canceled set
+-- KEYS[4] restored marker (set by the reconciler once it has put back what Postgres holds)
 -- ARGV[1] lease (ms), then per job: id, fencing token
--- Returns one status per job: 0 held (extended), 1 lost (another lease holds it), 2 held but
--- cancel requested. A lease Redis no longer knows (it lost its data) is restored: Postgres
--- still fences the outcome by token.
+-- Returns one status per job: 0 held (extended), 1 lost (another lease holds it, or it was
+-- reaped or settled), 2 held but cancel requested, 3 unconfirmed: Redis lost its data and the
+-- reconciler has not restored the leases yet. A heartbeat never recreates a lease: only the
+-- reconciler does, with the token Postgres holds, so a stale worker cannot take a job back
+-- from a reaper or from the worker that holds it now.
 local lease_ms = tonumber(ARGV[1])
 local deadline = now_ms() + lease_ms
+local restored = redis.call('EXISTS', KEYS[4]) == 1
 local out = {}
 for i = 2, #ARGV, 2 do
   local id, token = ARGV[i], ARGV[i + 1]
   local current = redis.call('HGET', KEYS[2], id)
-  if current == false or current == token then
+  if current == false and not restored then
+    out[#out + 1] = 3
+  elseif current == token then
     redis.call('HSET', KEYS[2], id, token)
     redis.call('ZADD', KEYS[1], deadline, id)
     if redis.call('SISMEMBER', KEYS[3], id) == 1 then

@@ -17,7 +17,7 @@ for _, id in ipairs(due) do
   redis.call('ZREM', KEYS[2], id)
   local meta = redis.call('HGET', KEYS[4], id)
   if meta and not redis.call('ZSCORE', KEYS[3], id) then
-    redis.call('ZADD', KEYS[1], 'NX', ready_score(now, meta_rank(meta), step, redis.call('INCR', KEYS[5])), id)
+    redis.call('ZADD', KEYS[1], 'NX', ready_score(now, meta_rank(meta), step, next_seq(KEYS[5])), id)
   end
 end
 
@@ -30,7 +30,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, max_jobs - 1)) do
   if taken > 0 and spent + cost > budget then break end
   spent, taken = spent + cost, taken + 1
   redis.call('ZREM', KEYS[1], id)
-  local token = redis.call('INCR', KEYS[5])
+  local token = next_seq(KEYS[5])
   redis.call('HSET', KEYS[6], id, token)
   redis.call('ZADD', KEYS[3], now + lease_ms, id)
   out[#out + 1] = id
