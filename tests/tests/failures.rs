@@ -266,3 +266,31 @@ async fn fencing_tokens_grow_across_a_loss_of_redis_data() {
     }
     assert!(tokens.windows(2).all(|w| w[1] > w[0]), "tokens {tokens:?}");
 }
+
+/// Issue 20, item 4: Postgres refusing connections while a batch settles costs nothing: the
+/// worker holds its leases and retries, and the job succeeds on its first attempt once
+/// Postgres is back, instead of being reaped as `lease_expired` and charged an attempt.
+#[tokio::test]
+async fn a_postgres_blip_at_settle_keeps_the_batch_and_charges_no_attempt() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let _worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "echo")]).unwrap();
+    let ids = cluster.submit_all(&sleeping_jobs(1, 2000)).await.unwrap();
+    wait_running(&cluster, 1).await;
+    let database = cluster.database_url.rsplit('/').next().unwrap().to_string();
+    let admin = sqlx::PgPool::connect(&tern_e2e::postgres_admin_url()).await.unwrap();
+    let allow = |on: bool| format!("ALTER DATABASE \"{database}\" ALLOW_CONNECTIONS {on}");
+    sqlx::query(&allow(false)).execute(&admin).await.unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()")
+        .bind(&database)
+        .execute(&admin)
+        .await
+        .unwrap();
+    // The job ends at 2 s and its settle fails until connections are allowed again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    sqlx::query(&allow(true)).execute(&admin).await.unwrap();
+    let states = cluster.wait_terminal(&ids, Duration::from_secs(20)).await.unwrap();
+    assert_eq!(states.get("succeeded"), Some(&1), "{states:?}");
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM jobs WHERE id = $1").bind(ids[0]).fetch_one(&cluster.pg).await.unwrap();
+    assert_eq!(attempts, 1, "no attempt charged for the blip");
+    assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
+}

@@ -18,6 +18,14 @@ use uuid::Uuid;
 use tern_jobs::{Failure, Job, JobKind, JobState, ObjectStore, Queue, RetryPolicy, Store};
 use tokio::sync::{watch, Notify, Semaphore};
 
+/// First wait before recording a batch's outcomes again after Postgres failed; it doubles up
+/// to 2 s.
+const SETTLE_RETRY_FIRST: Duration = Duration::from_millis(100);
+/// How long a batch's outcomes are retried before the batch is given up (its leases then
+/// expire and the reaper returns its jobs). Within a default lease of 30 s, the heartbeats keep
+/// the leases meanwhile.
+const SETTLE_RETRY_FOR: Duration = Duration::from_secs(60);
+
 /// Jobs per batch of echo jobs, and the fewest per batch of model jobs, unless configured.
 pub const DEFAULT_BATCH_SIZE: usize = 64;
 /// Most jobs per batch of model jobs unless configured: a GPU's budget can be thousands of
@@ -180,7 +188,6 @@ impl Runner {
             outcomes = work => outcomes,
             _ = release_on_abort => unreachable!("never resolves"),
         };
-        keeper.abort();
 
         let settlements: Vec<Settlement> = jobs
             .iter()
@@ -189,8 +196,11 @@ impl Runner {
                 outcome.map(|outcome| Settlement { id: job.id, token: job.lease_token.unwrap_or_default(), outcome })
             })
             .collect();
-        let settled: HashMap<Uuid, Settled> =
-            self.store.settle(&settlements, self.settings.retry).await?.into_iter().map(|s| (s.id, s)).collect();
+        // The leases stay held (the keeper heartbeats on) while Postgres is retried: a blip at
+        // settle must not throw the batch's results away and charge every job an attempt.
+        let settled = self.settle_while_held(&settlements).await;
+        keeper.abort();
+        let settled: HashMap<Uuid, Settled> = settled?.into_iter().map(|s| (s.id, s)).collect();
         self.registry.done.fetch_add(settled.len() as u64, std::sync::atomic::Ordering::Relaxed);
         for s in settled.values() {
             metrics::counter!("tern_jobs_settled_total", "kind" => k, "state" => s.state.as_str()).increment(1);
@@ -215,6 +225,24 @@ impl Runner {
             tracing::warn!(refused = settlements.len() - settled.len(), "outcomes refused: their leases had expired");
         }
         Ok(())
+    }
+
+    /// Records the outcomes in Postgres, retrying with backoff (from [`SETTLE_RETRY_FIRST`],
+    /// doubling) for up to [`SETTLE_RETRY_FOR`] while Postgres is unreachable; outcomes whose
+    /// lease expired meanwhile are refused by their tokens, as ever.
+    async fn settle_while_held(&self, settlements: &[Settlement]) -> tern_jobs::Result<Vec<Settled>> {
+        let (started, mut delay) = (std::time::Instant::now(), SETTLE_RETRY_FIRST);
+        loop {
+            match self.store.settle(settlements, self.settings.retry).await {
+                Ok(settled) => return Ok(settled),
+                Err(e) if started.elapsed() + delay < SETTLE_RETRY_FOR => {
+                    tracing::warn!(error = %e, jobs = settlements.len(), retry_in_ms = delay.as_millis() as u64, "could not record the batch's outcomes; retrying while the leases are held");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Runs one job to an outcome; `None` when its lease was lost (nothing may be reported).
