@@ -3,6 +3,7 @@
 
 mod auth;
 mod error;
+mod extract;
 mod middleware;
 mod openapi;
 mod routes;

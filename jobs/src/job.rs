@@ -79,8 +79,12 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// A NUL in the message (a decoder's or model's text can hold one) becomes U+FFFD:
+    /// Postgres cannot store NUL in text or JSON, and the settle of the whole batch would fail.
     pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
-        Failure { code: code.into(), message: message.into() }
+        let message: String = message.into();
+        let message = if message.contains('\0') { message.replace('\0', "\u{FFFD}") } else { message };
+        Failure { code: code.into(), message }
     }
 }
 
@@ -160,4 +164,13 @@ pub struct JobEvent {
     pub attempt: i32,
     pub worker_id: Option<String>,
     pub detail: Option<Value>,
+}
+
+#[cfg(test)]
+mod failure_tests {
+    #[test]
+    fn a_nul_in_a_failure_message_becomes_a_replacement_character() {
+        let f = super::Failure::new("inference_failed", "bad \0 text");
+        assert_eq!(f.message, "bad \u{FFFD} text");
+    }
 }

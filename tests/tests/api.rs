@@ -274,3 +274,58 @@ async fn every_response_carries_a_request_id_and_security_headers_and_cors_is_op
     let other = cors.http.get(cors.url("/healthz")).header("origin", "https://evil.example").send().await.unwrap();
     assert!(other.headers().get("access-control-allow-origin").is_none());
 }
+
+/// Issue 20, items 5 and 7: a NUL anywhere in a request is refused at the edge (it answered 503
+/// `database_unavailable` with Retry-After, so clients retried forever), and every way a body,
+/// query or method can be wrong answers in the error shape with a stable code.
+#[tokio::test]
+async fn a_nul_is_refused_at_the_edge_and_every_refusal_is_a_json_error() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let nul = "a\u{0}b";
+    let cases = [
+        ("/v1/jobs", json!({"kind": "echo", "input": {"message": nul}})),
+        ("/v1/jobs", json!({"kind": "echo", "input": {"message": 1}, "metadata": {"note": nul}})),
+        ("/v1/jobs", json!({"kind": "echo", "input": {"message": 1}, "idempotency_key": nul})),
+        ("/v1/jobs", json!({"kind": "generate", "input": {"prompt": "hi", "stop": [nul]}})),
+        ("/v1/jobs/batch", json!({"jobs": [{"kind": "echo", "input": {}}, {"kind": "echo", "input": {"message": nul}}]})),
+        ("/v1/admin/keys", json!({"tenant": "acme", "scopes": ["jobs:read"], "name": nul})),
+        ("/v1/webhooks/endpoints", json!({"url": format!("http://127.0.0.1:9/{nul}")})),
+    ];
+    for (path, body) in cases {
+        let (status, err) = cluster.post(path, &body).await.unwrap();
+        assert_eq!((status, err["error"]["code"].as_str()), (400, Some("invalid_character")), "{path} {body}: {err}");
+    }
+    let jobs: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs").fetch_one(&cluster.pg).await.unwrap();
+    assert_eq!(jobs, 0, "nothing was accepted");
+
+    // Bodies of the routes that take a fixed shape.
+    let send = |path: &str, content_type: &str, body: &str| {
+        cluster.http.post(cluster.url(path)).header("content-type", content_type).body(body.to_string()).send()
+    };
+    for (path, content_type, body, status, code) in [
+        ("/v1/webhooks/endpoints", "application/json", "{\"url\": ", 400, "invalid_json"),
+        ("/v1/webhooks/endpoints", "text/plain", "{\"url\": \"http://127.0.0.1:9/\"}", 415, "unsupported_media_type"),
+        ("/v1/webhooks/endpoints", "application/json", "{\"url\": 5}", 422, "invalid_request"),
+        ("/v1/admin/keys", "application/json", "[]", 422, "invalid_request"),
+        ("/v1/admin/models", "application/json", "{\"kind\": ", 400, "invalid_json"),
+    ] {
+        let resp = send(path, content_type, body).await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{path} {content_type} {body}");
+        let err: Value = resp.json().await.expect("a JSON body");
+        assert_eq!(err["error"]["code"], code, "{path} {body}: {err}");
+    }
+    // Query strings and methods.
+    for (path, status, code) in [
+        ("/v1/jobs?state=queued&state=running", 400, "invalid_query"),
+        ("/v1/jobs?limit=many", 400, "invalid_limit"),
+        ("/v1/jobs?cursor=%00", 400, "invalid_character"),
+        ("/v1/admin/jobs?tenant=a%00", 400, "invalid_character"),
+    ] {
+        let (got, err) = cluster.get(path).await.unwrap();
+        assert_eq!((got, err["error"]["code"].as_str()), (status, Some(code)), "{path}: {err}");
+    }
+    let resp = cluster.http.delete(cluster.url("/v1/jobs")).send().await.unwrap();
+    assert_eq!(resp.status(), 405);
+    let err: Value = resp.json().await.expect("a JSON body");
+    assert_eq!(err["error"]["code"], "method_not_allowed");
+}

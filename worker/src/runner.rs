@@ -269,7 +269,9 @@ impl Runner {
         };
         match execution {
             Execution::Output { body, content_type, extension, extras, inline } => {
-                let inline = (inline && body.len() < tern_jobs::job::INLINE_OUTPUT_MAX_BYTES)
+                // Output holding a NUL (a generated text can) stays in S3 only: Postgres cannot
+                // store NUL in JSON, and the whole batch's settle would fail on it.
+                let inline = (inline && body.len() < tern_jobs::job::INLINE_OUTPUT_MAX_BYTES && !body.windows(6).any(|w| w == b"\\u0000"))
                     .then(|| serde_json::from_slice(&body).ok())
                     .flatten();
                 // The key carries the lease token: a stale attempt can never overwrite the

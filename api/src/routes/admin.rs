@@ -5,9 +5,10 @@
 use super::jobs::{cancel_job, deliveries_of, job_view, list_page, parse_id, ListQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::extract::{ApiJson, ApiQuery};
 use crate::openapi;
 use crate::state::AppState;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Json;
@@ -51,20 +52,17 @@ pub fn check_key_request(tenant: &str, scopes: &[String]) -> Result<(), String> 
     request_body(content = openapi::NewKey, description = "The tenant the key acts for, and its scopes."),
     responses(
         (status = 201, description = "The key with its secret, shown this once", body = openapi::CreatedKey),
-        (status = 400, description = "The body is not JSON: a plain-text answer from the JSON reader", body = String, content_type = "text/plain"),
-        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 422, description = "`invalid_key_request` (a bad tenant name, no scope or an unknown one); a body of the wrong shape gets a plain-text answer", content(
-            (openapi::Error = "application/json"),
-            (String = "text/plain"),
-        )),
+        (status = 400, description = "`invalid_json` (the body is not JSON), `invalid_body`, `invalid_character` (a NUL, `\\u0000`, anywhere in the body)", body = openapi::Error),
+        (status = 413, description = "`body_too_large`: the body is larger than `TERN_MAX_BODY_BYTES`", body = openapi::Error),
+        (status = 415, description = "`unsupported_media_type`: the body was not sent as `Content-Type: application/json`", body = openapi::Error),
+        (status = 422, description = "`invalid_key_request` (a bad tenant name, no scope or an unknown one); `invalid_request`: a body of the wrong shape", body = openapi::Error),
     ),
     security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
 )]
 pub async fn create_key(
     State(state): State<AppState>,
     caller: Caller,
-    Json(req): Json<NewKey>,
+    ApiJson(req): ApiJson<NewKey>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     caller.require("admin")?;
     check_key_request(&req.tenant, &req.scopes)
@@ -214,10 +212,7 @@ pub struct PurgeQuery {
     ),
     responses(
         (status = 200, description = "Waiting jobs canceled; `more` when the 1,000 limit was reached", body = openapi::Purged),
-        (status = 400, description = "`confirm_required`; a query string that cannot be read at all gets a plain-text answer", content(
-            (openapi::Error = "application/json"),
-            (String = "text/plain"),
-        )),
+        (status = 400, description = "`confirm_required`, `invalid_query` (a query string that cannot be read: a repeated key), `invalid_character` (a NUL)", body = openapi::Error),
         (status = 404, description = "`unknown_kind`", body = openapi::Error),
     ),
     security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
@@ -226,7 +221,7 @@ pub async fn purge(
     State(state): State<AppState>,
     caller: Caller,
     Path(kind): Path<String>,
-    Query(q): Query<PurgeQuery>,
+    ApiQuery(q): ApiQuery<PurgeQuery>,
 ) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = path_kind(&kind)?;
@@ -263,17 +258,14 @@ pub struct RetryRequest {
     request_body(content = openapi::RetryRequest, description = "The failed jobs' ids, or a kind to retry its failed jobs."),
     responses(
         (status = 200, description = "The jobs queued again; ids of jobs that were not failed are skipped", body = openapi::Retried),
-        (status = 400, description = "`unknown_kind`, `nothing_to_retry`, `too_many_ids`; a body that is not JSON gets a plain-text answer", content(
-            (openapi::Error = "application/json"),
-            (String = "text/plain"),
-        )),
-        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 422, description = "A body of the wrong shape (an id that is not a UUID): a plain-text answer", body = String, content_type = "text/plain"),
+        (status = 400, description = "`unknown_kind`, `nothing_to_retry`, `too_many_ids`, `invalid_json`, `invalid_character`", body = openapi::Error),
+        (status = 413, description = "`body_too_large`: the body is larger than `TERN_MAX_BODY_BYTES`", body = openapi::Error),
+        (status = 415, description = "`unsupported_media_type`: the body was not sent as `Content-Type: application/json`", body = openapi::Error),
+        (status = 422, description = "`invalid_request`: a body of the wrong shape (an id that is not a UUID)", body = openapi::Error),
     ),
     security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
 )]
-pub async fn retry(State(state): State<AppState>, caller: Caller, Json(req): Json<RetryRequest>) -> Result<Json<Value>, ApiError> {
+pub async fn retry(State(state): State<AppState>, caller: Caller, ApiJson(req): ApiJson<RetryRequest>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = req
         .kind
@@ -313,14 +305,11 @@ pub async fn retry(State(state): State<AppState>, caller: Caller, Json(req): Jso
     ),
     responses(
         (status = 200, description = "One page of jobs, newest first", body = openapi::JobList),
-        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`; a query string that cannot be read at all gets a plain-text answer", content(
-            (openapi::Error = "application/json"),
-            (String = "text/plain"),
-        )),
+        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`, `invalid_query` (a query string that cannot be read: a repeated key), `invalid_character` (a NUL)", body = openapi::Error),
     ),
     security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
 )]
-pub async fn jobs(State(state): State<AppState>, caller: Caller, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
+pub async fn jobs(State(state): State<AppState>, caller: Caller, ApiQuery(q): ApiQuery<ListQuery>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let tenant = q.tenant.clone();
     list_page(&state, &q, tenant).await

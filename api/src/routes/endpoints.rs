@@ -3,6 +3,7 @@
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::extract::ApiJson;
 use crate::openapi;
 use crate::state::AppState;
 use axum::extract::{Path, State};
@@ -55,17 +56,14 @@ fn db(e: sqlx::Error) -> ApiError {
     request_body(content = openapi::NewEndpoint, description = "Where to send events, and which."),
     responses(
         (status = 201, description = "The endpoint with its signing secret, shown this once", body = openapi::CreatedEndpoint),
-        (status = 400, description = "The body is not JSON: a plain-text answer from the JSON reader", body = String, content_type = "text/plain"),
-        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 422, description = "`invalid_webhook` (bad `events`, URL over 2,048 characters), `url_forbidden` (not http(s), or an internal address), `too_many_endpoints` (20 per tenant); a body of the wrong shape gets a plain-text answer", content(
-            (openapi::Error = "application/json"),
-            (String = "text/plain"),
-        )),
+        (status = 400, description = "`invalid_json` (the body is not JSON), `invalid_body`, `invalid_character` (a NUL, `\\u0000`, anywhere in the body)", body = openapi::Error),
+        (status = 413, description = "`body_too_large`: the body is larger than `TERN_MAX_BODY_BYTES`", body = openapi::Error),
+        (status = 415, description = "`unsupported_media_type`: the body was not sent as `Content-Type: application/json`", body = openapi::Error),
+        (status = 422, description = "`invalid_webhook` (bad `events`, URL over 2,048 characters), `url_forbidden` (not http(s), or an internal address), `too_many_endpoints` (20 per tenant); `invalid_request`: a body of the wrong shape", body = openapi::Error),
     ),
     security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
 )]
-pub async fn create(State(state): State<AppState>, caller: Caller, Json(req): Json<NewEndpoint>) -> Result<(StatusCode, Json<Value>), ApiError> {
+pub async fn create(State(state): State<AppState>, caller: Caller, ApiJson(req): ApiJson<NewEndpoint>) -> Result<(StatusCode, Json<Value>), ApiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
     if let Some(events) = &req.events {
         if events.is_empty() {

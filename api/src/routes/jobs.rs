@@ -8,7 +8,8 @@ use crate::submission::{self, Submission};
 use axum::body::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
+use crate::extract::ApiQuery;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -28,19 +29,6 @@ pub const BATCH_MAX: usize = 1000;
 /// Default and largest page of `GET /v1/jobs`.
 pub const LIST_LIMIT_DEFAULT: i64 = 50;
 pub const LIST_LIMIT_MAX: i64 = 500;
-
-/// Reads a JSON body, mapping each way it can fail to a stable code.
-fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
-    let bytes = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "the request body is larger than allowed")
-        } else {
-            ApiError::bad_request("invalid_body", rejection.body_text())
-        }
-    })?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request("invalid_json", format!("the body is not valid JSON: {e}")))
-}
 
 fn idempotency_header(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
     headers
@@ -167,7 +155,7 @@ async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiErro
     responses(
         (status = 201, description = "Accepted: the new job, `queued` (or `scheduled` with a future `run_at`)", body = openapi::Job),
         (status = 200, description = "The idempotency key replayed the same request: the earlier job", body = openapi::Job),
-        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_request` (unknown field, bad option, header and body keys differ), `unknown_kind`, `invalid_priority`, `metadata_too_large`, `invalid_url`, `invalid_base64`, `upload_not_found`", body = openapi::Error),
+        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_character` (a NUL, `\\u0000`, anywhere in the body), `invalid_request` (unknown field, bad option, header and body keys differ), `unknown_kind`, `invalid_priority`, `metadata_too_large`, `invalid_url`, `invalid_base64`, `upload_not_found`", body = openapi::Error),
         (status = 409, description = "`idempotency_conflict`: the key was used for another request", body = openapi::Error),
         (status = 413, description = "`body_too_large` (`TERN_MAX_BODY_BYTES`), `file_too_large` (base64 over 10 MiB), `audio_too_long` (`TERN_MAX_AUDIO_SECONDS`)", body = openapi::Error),
         (status = 422, description = "`invalid_input` (the input fails its kind's schema), `invalid_webhook`, `webhooks_not_configured`, `url_forbidden`, `audio_unreadable`, `audio_empty`", body = openapi::Error),
@@ -186,7 +174,7 @@ pub async fn submit(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
-    let value = json_body(body)?;
+    let value = crate::extract::json_value(body)?;
     let Submission { mut job } = submission::parse(&value, idempotency_header(&headers)?)?;
     job.tenant = tenant.clone();
     submission::check_upload_tenant(&job, &tenant)?;
@@ -219,7 +207,7 @@ pub async fn submit(
     request_body(content = openapi::BatchRequest, description = "1 to 1,000 jobs, each as `POST /v1/jobs` takes it (idempotency keys in the body)."),
     responses(
         (status = 201, description = "Every job of the batch in request order; a replayed request shows its earlier job", body = openapi::JobBatch),
-        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_request` (not `{\"jobs\": [...]}`), `batch_too_large` (0 or over 1,000 jobs), or a job's own error (its message starts `jobs[i]:`)", body = openapi::Error),
+        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_character` (a NUL anywhere), `invalid_request` (not `{\"jobs\": [...]}`), `batch_too_large` (0 or over 1,000 jobs), or a job's own error (its message starts `jobs[i]:`)", body = openapi::Error),
         (status = 409, description = "`idempotency_conflict`: a job's key was used for another request", body = openapi::Error),
         (status = 413, description = "`body_too_large`, `file_too_large`, `audio_too_long`", body = openapi::Error),
         (status = 422, description = "A job's `invalid_input`, `invalid_webhook`, `webhooks_not_configured`, `url_forbidden`, `audio_unreadable`, `audio_empty`", body = openapi::Error),
@@ -237,7 +225,7 @@ pub async fn submit_batch(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
-    let value = json_body(body)?;
+    let value = crate::extract::json_value(body)?;
     let items = value
         .get("jobs")
         .and_then(Value::as_array)
@@ -377,14 +365,11 @@ pub struct ListQuery {
     ),
     responses(
         (status = 200, description = "One page of the tenant's jobs, newest first", body = openapi::JobList),
-        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`; a query string that cannot be read at all gets a plain-text answer", content(
-            (openapi::Error = "application/json"),
-            (String = "text/plain"),
-        )),
+        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`, `invalid_query` (a query string that cannot be read: a repeated key), `invalid_character` (a NUL)", body = openapi::Error),
     ),
     security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
 )]
-pub async fn list(State(state): State<AppState>, caller: Caller, Query(q): Query<ListQuery>) -> Result<Json<Value>, ApiError> {
+pub async fn list(State(state): State<AppState>, caller: Caller, ApiQuery(q): ApiQuery<ListQuery>) -> Result<Json<Value>, ApiError> {
     let tenant = caller.require("jobs:read")?.tenant.clone();
     list_page(&state, &q, Some(tenant)).await
 }

@@ -70,6 +70,9 @@ pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
         .route("/admin/app.js", get(dashboard::script))
         .route("/admin/app.css", get(dashboard::style))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this route does not take that method")
+        })
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn_with_state(std::sync::Arc::new(cors), crate::middleware::wrap))
         .with_state(state)

@@ -4,6 +4,7 @@
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::extract::ApiJson;
 use crate::openapi;
 use crate::state::AppState;
 use axum::extract::{Path, State};
@@ -59,20 +60,17 @@ fn check_model_name(model: &str) -> Result<(), ApiError> {
     request_body(content = openapi::NewModelVersion, description = "The kind and the model folder or hub id."),
     responses(
         (status = 201, description = "The kind's new candidate; workers load and health-check it in the background", body = openapi::ModelVersion),
-        (status = 400, description = "The body is not JSON: a plain-text answer from the JSON reader", body = String, content_type = "text/plain"),
-        (status = 413, description = "The body is larger than `TERN_MAX_BODY_BYTES`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 415, description = "The body was not sent as `Content-Type: application/json`: a plain-text answer", body = String, content_type = "text/plain"),
-        (status = 422, description = "`invalid_kind` or `invalid_model`; a body of the wrong shape gets a plain-text answer", content(
-            (openapi::Error = "application/json"),
-            (String = "text/plain"),
-        )),
+        (status = 400, description = "`invalid_json` (the body is not JSON), `invalid_body`, `invalid_character` (a NUL, `\\u0000`, anywhere in the body)", body = openapi::Error),
+        (status = 413, description = "`body_too_large`: the body is larger than `TERN_MAX_BODY_BYTES`", body = openapi::Error),
+        (status = 415, description = "`unsupported_media_type`: the body was not sent as `Content-Type: application/json`", body = openapi::Error),
+        (status = 422, description = "`invalid_kind` or `invalid_model`; `invalid_request`: a body of the wrong shape", body = openapi::Error),
     ),
     security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
 )]
 pub async fn register(
     State(state): State<AppState>,
     caller: Caller,
-    Json(req): Json<NewVersion>,
+    ApiJson(req): ApiJson<NewVersion>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     caller.require("admin")?;
     let kind = model_kind(&req.kind)?;
