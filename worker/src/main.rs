@@ -35,9 +35,9 @@ struct Cli {
     /// Job kinds to run, comma-separated. Default: every kind.
     #[arg(long, env = "TERN_WORKER_KINDS", value_delimiter = ',')]
     kinds: Vec<String>,
-    /// Most jobs per batch. Default: 64 for echo jobs; for model kinds the batch's cost budget
-    /// (each job costs at least 1), between 64 and 1,024 jobs, so a GPU batch sized by memory
-    /// is not cut short by a count of jobs.
+    /// Most jobs per batch. Default: 64; for model kinds on a GPU the batch's cost budget (each
+    /// job costs at least 1), between 64 and 1,024 jobs, so a batch sized by the device's
+    /// memory is not cut short by a count of jobs.
     #[arg(long, env = "TERN_BATCH_SIZE")]
     batch_size: Option<usize>,
     /// Cost budget of a batch of echo jobs (they cost 1 each). Default: the batch size. Model

@@ -37,8 +37,8 @@ pub const MAX_MODEL_BATCH_JOBS: usize = 1024;
 pub struct RunnerSettings {
     pub worker_id: String,
     pub kinds: Vec<JobKind>,
-    /// Most jobs per batch; `None`: [`DEFAULT_BATCH_SIZE`] for echo, the cost budget for model
-    /// kinds (within [`DEFAULT_BATCH_SIZE`]..=[`MAX_MODEL_BATCH_JOBS`]).
+    /// Most jobs per batch; `None`: [`DEFAULT_BATCH_SIZE`], but for model kinds on a GPU the
+    /// cost budget (within [`DEFAULT_BATCH_SIZE`]..=[`MAX_MODEL_BATCH_JOBS`]).
     pub batch_size: Option<usize>,
     /// Cost budget per batch of kinds without a model (echo). Model kinds take theirs from the
     /// engine: windows, padded tokens, or prompt + max tokens.
@@ -121,10 +121,11 @@ impl Runner {
     }
 
     fn max_jobs(&self, kind: JobKind, budget: i64) -> usize {
+        let on_device = self.engine.as_ref().is_some_and(|e| e.sizes_by_device_memory());
         match (self.settings.batch_size, Family::of_kind(kind)) {
             (Some(n), _) => n,
-            (None, Some(_)) => (budget.max(0) as usize).clamp(DEFAULT_BATCH_SIZE, MAX_MODEL_BATCH_JOBS),
-            (None, None) => DEFAULT_BATCH_SIZE,
+            (None, Some(_)) if on_device => (budget.max(0) as usize).clamp(DEFAULT_BATCH_SIZE, MAX_MODEL_BATCH_JOBS),
+            _ => DEFAULT_BATCH_SIZE,
         }
     }
 

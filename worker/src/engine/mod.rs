@@ -295,6 +295,12 @@ impl Engine {
         }
     }
 
+    /// Whether batches are sized by a GPU's memory (up to [`DEVICE_CEILINGS`]) rather than the
+    /// CPU's ceilings.
+    pub fn sizes_by_device_memory(&self) -> bool {
+        matches!(self.probe, MemoryProbe::Device(_))
+    }
+
     /// How batches are sized now.
     pub fn batching(&self) -> BatchingReport {
         BatchingReport {
