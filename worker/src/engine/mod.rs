@@ -884,6 +884,11 @@ mod tests {
             engine.transcribe(pcm, TranscribeOptions::default(), progress, Arc::default())
         };
         let alone: Vec<String> = futures::future::join_all(clips.iter().map(|c| transcribe(c.clone()))).await.into_iter().map(|t| t.unwrap().value.text).collect();
+        // The budget is set once the batch ends, which can be just after its last reply.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while engine.batch_budget(Family::Whisper) != 16 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(engine.batch_budget(Family::Whisper), 16, "4 GiB free hold 40 windows of 100 MiB: the CPU's ceiling");
 
         // 250 MiB free: 16 windows do not fit, nor 8 or 4; 2 do.
