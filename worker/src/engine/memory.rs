@@ -56,6 +56,12 @@ impl MemoryProbe {
         (MemoryProbe::Fixed(figures.clone()), figures)
     }
 
+    /// Whether it reads a GPU's memory: batches are then sized by it, up to the device's
+    /// ceilings, rather than by the CPU's.
+    pub fn is_device(&self) -> bool {
+        matches!(self, MemoryProbe::Device(_))
+    }
+
     /// What it reads: `cuda`, `host` or `fixed`.
     pub fn name(&self) -> &'static str {
         match self {

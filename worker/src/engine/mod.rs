@@ -246,7 +246,7 @@ impl Engine {
         let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
         let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
         let names = Arc::new(Mutex::new(names));
-        let ceilings = if device.is_cuda() { DEVICE_CEILINGS } else { CPU_CEILINGS };
+        let ceilings = if probe.is_device() { DEVICE_CEILINGS } else { CPU_CEILINGS };
         let warmup_windows = limits.windows.unwrap_or(WARMUP_WINDOWS).min(WARMUP_WINDOWS);
         let stats = Arc::new(EngineStats::default());
         let cache = ModelCache::new(
@@ -298,7 +298,7 @@ impl Engine {
     /// Whether batches are sized by a GPU's memory (up to [`DEVICE_CEILINGS`]) rather than the
     /// CPU's ceilings.
     pub fn sizes_by_device_memory(&self) -> bool {
-        matches!(self.probe, MemoryProbe::Device(_))
+        self.probe.is_device()
     }
 
     /// How batches are sized now.
@@ -640,7 +640,7 @@ impl Thread {
         let all: Vec<&str> = jobs.iter().flat_map(|(t, _)| t.iter().map(String::as_str)).collect();
         // On a GPU one forward pass takes the whole pulled batch; the CPU gains nothing past
         // the embedder's default.
-        let mut per_forward = if self.ceilings.embed_tokens == DEVICE_CEILINGS.embed_tokens {
+        let mut per_forward = if self.probe.is_device() {
             self.embed_tokens.load(Ordering::Relaxed) as usize
         } else {
             tern_models::embed::TOKENS_PER_FORWARD
