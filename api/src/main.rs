@@ -85,6 +85,13 @@ struct ServeArgs {
     /// How often (ms) the webhook dispatcher looks for due deliveries when idle.
     #[arg(long, env = "TERN_WEBHOOK_POLL_MS", default_value_t = 200)]
     webhook_poll_ms: u64,
+    /// Most webhook deliveries this process sends at once.
+    #[arg(long, env = "TERN_WEBHOOK_CONCURRENCY", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    webhook_concurrency: u32,
+    /// Most webhook deliveries this process sends at once to one URL: a receiver that hangs
+    /// (up to the 15 s timeout) holds up only this many of its own deliveries.
+    #[arg(long, env = "TERN_WEBHOOK_CONCURRENCY_PER_URL", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    webhook_concurrency_per_url: u32,
     /// Origins allowed to call the API from a browser (CORS), comma-separated, or `*`. Default:
     /// none (no CORS headers).
     #[arg(long, env = "TERN_CORS_ORIGINS", value_delimiter = ',')]
@@ -190,7 +197,8 @@ async fn main() -> anyhow::Result<()> {
                 .expect("HTTP client"),
             schedule: schedule.into_iter().map(Duration::from_millis).collect(),
             poll: Duration::from_millis(args.webhook_poll_ms.max(10)),
-            batch: 32,
+            in_flight: args.webhook_concurrency as usize,
+            per_url: args.webhook_concurrency_per_url as usize,
         };
         tokio::spawn(dispatcher.run(stop_rx.clone()))
     };

@@ -220,8 +220,12 @@ async fn gone_disables_the_endpoint_and_retry_after_is_honoured() {
 
     // Bad webhooks are refused at submit.
     for (hook, code) in [
-        (json!({"url": "ftp://example.com/x"}), "invalid_webhook"),
-        (json!({"url": gone_url, "events": ["job.exploded"]}), "invalid_webhook"),
+        (json!({"url": "ftp://example.com/x"}), "url_forbidden"),
+        (json!({"url": "example.com/x"}), "invalid_webhook"),
+        (
+            json!({"url": gone_url, "events": ["job.exploded"]}),
+            "invalid_webhook",
+        ),
         (json!("https://example.com"), "invalid_webhook"),
     ] {
         let (status, err) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {}, "webhook": hook})).await.unwrap();
@@ -358,4 +362,192 @@ async fn tenant_endpoints_get_their_tenants_events_only_with_their_own_rotating_
     assert_eq!(later.signature.split(' ').count(), 2, "{}", later.signature);
     assert!(verify(&new_secret, &later.id, &later.timestamp, &later.body, &later.signature, now));
     assert!(verify(&a_secret, &later.id, &later.timestamp, &later.body, &later.signature, now), "the old secret still verifies");
+}
+
+/// A receiver that holds every request until `release` is set, then answers `status`; it
+/// counts requests and how many are open now (a request the sender gave up on is closed).
+#[derive(Clone, Default)]
+struct HeldReceiver {
+    requests: Arc<std::sync::atomic::AtomicUsize>,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+    release: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HeldReceiver {
+    async fn start(status: u16) -> (HeldReceiver, String) {
+        use std::sync::atomic::Ordering::SeqCst;
+        struct Open(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Open {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, SeqCst);
+            }
+        }
+        let r = HeldReceiver::default();
+        let state = r.clone();
+        let app = axum::Router::new().route(
+            "/hook",
+            axum::routing::post(move || {
+                let r = state.clone();
+                async move {
+                    r.requests.fetch_add(1, SeqCst);
+                    r.open.fetch_add(1, SeqCst);
+                    let _open = Open(r.open.clone());
+                    while !r.release.load(SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    StatusCode::from_u16(status).unwrap()
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (r, url)
+    }
+    fn requests(&self) -> usize {
+        self.requests.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    fn open(&self) -> usize {
+        self.open.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    fn release(&self) {
+        self.release
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Many deliveries to one tenant endpoint answered 410 at the same moment: each attempt is
+/// recorded (no transaction is lost to a deadlock between them), every delivery ends
+/// `disabled`, and the endpoint is disabled.
+#[tokio::test]
+async fn deliveries_answered_gone_together_are_each_recorded() {
+    let (gone, url) = HeldReceiver::start(410).await;
+    let mut cluster = Cluster::start(&api_env("0,100,100")).await.unwrap();
+    let (status, endpoint) = cluster
+        .post(
+            "/v1/webhooks/endpoints",
+            &json!({"url": url, "events": ["job.succeeded"]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{endpoint}");
+    let jobs: Vec<Value> = (0..64)
+        .map(|i| json!({"kind": "echo", "input": {"message": i}}))
+        .collect();
+    let ids = cluster.submit_all(&jobs).await.unwrap();
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    cluster
+        .wait_terminal(&ids, Duration::from_secs(30))
+        .await
+        .unwrap();
+    // Every delivery that can be in flight at once is: then all are answered together.
+    cluster
+        .wait_until("deliveries in flight", Duration::from_secs(10), || async {
+            Ok(gone.open() >= 8)
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gone.release();
+    cluster
+        .wait_until("no delivery pending", Duration::from_secs(120), || async {
+            let pending: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'",
+            )
+            .fetch_one(&cluster.pg)
+            .await?;
+            Ok(pending == 0)
+        })
+        .await
+        .unwrap();
+    let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_attempts")
+        .fetch_one(&cluster.pg)
+        .await
+        .unwrap();
+    assert_eq!(
+        recorded as usize,
+        gone.requests(),
+        "every request sent is recorded"
+    );
+    let states: Vec<String> = sqlx::query_scalar("SELECT DISTINCT state FROM webhook_deliveries")
+        .fetch_all(&cluster.pg)
+        .await
+        .unwrap();
+    assert_eq!(states, ["disabled"]);
+    let disabled: bool =
+        sqlx::query_scalar("SELECT disabled_at IS NOT NULL FROM webhook_endpoints")
+            .fetch_one(&cluster.pg)
+            .await
+            .unwrap();
+    assert!(disabled, "the endpoint is disabled");
+    assert!(
+        !cluster
+            .api
+            .as_ref()
+            .unwrap()
+            .log_text()
+            .contains("could not record"),
+        "no attempt went unrecorded"
+    );
+}
+
+/// A receiver that hangs holds up only its own deliveries: another receiver's webhooks
+/// arrive while it hangs, though it has more deliveries due than the dispatcher sends at once.
+#[tokio::test]
+async fn a_hanging_receiver_holds_up_no_other_receiver() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (hanging, hanging_url) = HeldReceiver::start(200).await;
+    let (quick, quick_url) = Receiver::start(vec![], None).await;
+    let mut cluster = Cluster::start(&api_env("0,100,100")).await.unwrap();
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    let held: Vec<Value> =
+        (0..80).map(|i| json!({"kind": "echo", "input": {"message": i}, "webhook": {"url": hanging_url, "events": ["job.succeeded"]}})).collect();
+    let held_ids = cluster.submit_all(&held).await.unwrap();
+    cluster
+        .wait_terminal(&held_ids, Duration::from_secs(30))
+        .await
+        .unwrap();
+    cluster
+        .wait_until("requests hanging", Duration::from_secs(10), || async {
+            Ok(hanging.open() > 0)
+        })
+        .await
+        .unwrap();
+
+    let quick_jobs: Vec<Value> =
+        (0..3).map(|i| json!({"kind": "echo", "input": {"message": i}, "webhook": {"url": quick_url, "events": ["job.succeeded"]}})).collect();
+    let quick_ids = cluster.submit_all(&quick_jobs).await.unwrap();
+    cluster
+        .wait_terminal(&quick_ids, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let open_during = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
+    cluster
+        // Within the dispatcher's 15 s timeout: the hanging requests are not given up on.
+        .wait_until(
+            "the other receiver's webhooks",
+            Duration::from_secs(10),
+            || async {
+                let done = quick.got().len() >= 3;
+                if done {
+                    open_during.store(hanging.open(), SeqCst);
+                }
+                Ok(done)
+            },
+        )
+        .await
+        .unwrap();
+    let open = open_during.load(SeqCst);
+    assert!(
+        open > 0,
+        "they arrived while the hanging receiver still held its requests"
+    );
+    assert!(
+        open < 80,
+        "the hanging receiver does not take every slot: {open} requests open"
+    );
+    hanging.release();
+    wait_deliveries_settled(&cluster, &held_ids, 80).await;
+    assert_each_event_once(&quick.got(), 3);
+    assert_eq!(hanging.requests(), 80, "each held delivery sent once");
 }

@@ -12,14 +12,18 @@ use chrono::{DateTime, Utc};
 use serde_json::json;
 use signature::Signer;
 use sqlx::Row;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use uuid::Uuid;
 
 /// The retry schedule of the Standard Webhooks spec: the delay before attempt n+1 after n
 /// failures. Ten attempts over about 3.5 days.
-pub const DEFAULT_SCHEDULE_MS: &[u64] =
-    &[0, 5_000, 300_000, 1_800_000, 7_200_000, 18_000_000, 36_000_000, 50_400_000, 72_000_000, 86_400_000];
+pub const DEFAULT_SCHEDULE_MS: &[u64] = &[
+    0, 5_000, 300_000, 1_800_000, 7_200_000, 18_000_000, 36_000_000, 50_400_000, 72_000_000,
+    86_400_000,
+];
 /// A receiver that takes longer than this is counted as failing.
 pub const TIMEOUT: Duration = Duration::from_secs(15);
 /// How long a claimed delivery stays out of other dispatchers' reach: longer than one attempt.
@@ -27,7 +31,6 @@ const CLAIM: Duration = Duration::from_secs(60);
 /// Longest Retry-After honoured.
 const RETRY_AFTER_MAX: Duration = Duration::from_secs(24 * 3600);
 
-#[derive(Clone)]
 pub struct Dispatcher {
     pub state: AppState,
     /// Whether targets may be internal addresses (`TERN_ALLOW_PRIVATE_URLS`).
@@ -40,12 +43,16 @@ pub struct Dispatcher {
     pub schedule: Vec<Duration>,
     /// Idle wait between looks at the outbox.
     pub poll: Duration,
-    /// Most deliveries in flight per look.
-    pub batch: i64,
+    /// Most deliveries in flight in this process.
+    pub in_flight: usize,
+    /// Most deliveries in flight to one URL, so a receiver that hangs holds up only its own.
+    pub per_url: usize,
 }
 
 struct Due {
     id: Uuid,
+    /// This dispatcher's claim on the delivery; the attempt settles it only while it holds.
+    claim: Uuid,
     job_id: Uuid,
     /// The tenant endpoint it goes to, with that endpoint's secrets.
     endpoint: Option<(Uuid, Vec<String>)>,
@@ -67,40 +74,103 @@ struct Attempt {
     latency: Duration,
 }
 
-impl Dispatcher {
-    pub async fn run(self, mut stop: watch::Receiver<bool>) {
-        while !*stop.borrow() {
-            let sent = match self.tick().await {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::warn!(error = %e, "webhook dispatch failed");
-                    0
-                }
-            };
-            if sent == 0 {
-                tokio::select! {
-                    _ = tokio::time::sleep(self.poll) => {}
-                    _ = stop.changed() => {}
-                }
+/// Deliveries in flight per URL.
+type Busy = Arc<Mutex<HashMap<String, usize>>>;
+
+/// One delivery's place in its URL's count, given back when its task ends, however it ends.
+struct Slot {
+    busy: Busy,
+    url: String,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut busy = self.busy.lock().expect("busy map");
+        if let Some(n) = busy.get_mut(&self.url) {
+            *n -= 1;
+            if *n == 0 {
+                busy.remove(&self.url);
             }
         }
     }
+}
 
-    /// Claims the due deliveries (the oldest pending one of each job, so a job's events arrive
-    /// in order) and sends them concurrently.
-    async fn tick(&self) -> Result<usize, sqlx::Error> {
+impl Dispatcher {
+    /// Sends deliveries as slots free up: each is a task of its own, so one slow receiver
+    /// delays nothing but its own deliveries (at most `per_url` of them in flight).
+    pub async fn run(self, mut stop: watch::Receiver<bool>) {
+        let this = Arc::new(self);
+        let busy: Busy = Arc::default();
+        let mut flying = tokio::task::JoinSet::new();
+        while !*stop.borrow() {
+            let room = this.in_flight.saturating_sub(flying.len());
+            let mut full = room == 0;
+            if room > 0 {
+                match this.claim(room, &busy).await {
+                    Ok(due) => {
+                        full = due.len() == room;
+                        for d in due {
+                            *busy
+                                .lock()
+                                .expect("busy map")
+                                .entry(d.url.clone())
+                                .or_default() += 1;
+                            let slot = Slot {
+                                busy: busy.clone(),
+                                url: d.url.clone(),
+                            };
+                            let me = this.clone();
+                            flying.spawn(async move {
+                                let _slot = slot;
+                                me.deliver(d).await;
+                            });
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "webhook dispatch failed"),
+                }
+            }
+            // More may be due once a slot frees; otherwise look again after the poll interval.
+            tokio::select! {
+                Some(_) = flying.join_next(), if !flying.is_empty() => {
+                    while flying.try_join_next().is_some() {}
+                }
+                _ = tokio::time::sleep(this.poll), if !full => {}
+                _ = stop.changed() => {}
+            }
+        }
+        // Attempts under way finish (each within TIMEOUT) and are recorded.
+        while flying.join_next().await.is_some() {}
+    }
+
+    /// Claims up to `room` due deliveries: the oldest pending one of each job and URL, so a
+    /// job's events arrive in order, and no more per URL than its free slots.
+    async fn claim(&self, room: usize, busy: &Busy) -> Result<Vec<Due>, sqlx::Error> {
+        let (urls, counts): (Vec<String>, Vec<i32>) = busy
+            .lock()
+            .expect("busy map")
+            .iter()
+            .map(|(u, n)| (u.clone(), *n as i32))
+            .unzip();
         let rows = sqlx::query(
-            "WITH claimed AS (
-                UPDATE webhook_deliveries d SET next_attempt_at = now() + make_interval(secs => $2)
-                FROM (SELECT id FROM webhook_deliveries w
-                      WHERE state = 'pending' AND next_attempt_at <= now()
-                        AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
-                                        WHERE p.job_id = w.job_id AND p.url = w.url AND p.state = 'pending'
-                                          AND p.created_at < w.created_at)
-                      ORDER BY next_attempt_at LIMIT $1
-                      FOR UPDATE SKIP LOCKED) due
-                WHERE d.id = due.id
-                RETURNING d.id, d.job_id, d.event, d.url, d.attempts, d.created_at, d.endpoint_id
+            "WITH candidates AS (
+                SELECT id, url, next_attempt_at FROM webhook_deliveries w
+                WHERE state = 'pending' AND next_attempt_at <= now()
+                  AND NOT EXISTS (SELECT 1 FROM unnest($3::text[], $4::int[]) b(url, n) WHERE b.url = w.url AND b.n >= $5)
+                  AND NOT EXISTS (SELECT 1 FROM webhook_deliveries p
+                                  WHERE p.job_id = w.job_id AND p.url = w.url AND p.state = 'pending'
+                                    AND p.created_at < w.created_at)
+                ORDER BY next_attempt_at LIMIT $1 * 4
+                FOR UPDATE SKIP LOCKED
+             ), chosen AS (
+                SELECT c.id FROM (SELECT c.*, row_number() OVER (PARTITION BY c.url ORDER BY c.next_attempt_at) AS nth
+                                  FROM candidates c) c
+                LEFT JOIN unnest($3::text[], $4::int[]) b(url, n) ON b.url = c.url
+                WHERE c.nth <= $5 - coalesce(b.n, 0)
+                ORDER BY c.next_attempt_at LIMIT $1
+             ), claimed AS (
+                UPDATE webhook_deliveries d SET next_attempt_at = now() + make_interval(secs => $2), claim = gen_random_uuid()
+                FROM chosen WHERE d.id = chosen.id
+                RETURNING d.id, d.claim, d.job_id, d.event, d.url, d.attempts, d.created_at, d.endpoint_id
              )
              -- A state change committed while a 410 was being recorded can still have written a
              -- delivery to the now disabled target; it is caught here.
@@ -111,17 +181,20 @@ impl Dispatcher {
              LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
              LEFT JOIN jobs j ON j.id = c.job_id",
         )
-        .bind(self.batch)
+        .bind(room as i64)
         .bind(CLAIM.as_secs_f64())
+        .bind(&urls)
+        .bind(&counts)
+        .bind(self.per_url as i32)
         .fetch_all(self.state.store.pool())
         .await?;
-        let due: Vec<Due> = rows
-            .iter()
+        rows.iter()
             .map(|r| {
                 let endpoint: Option<Uuid> = r.try_get("endpoint_id")?;
                 let secrets: Option<Vec<String>> = r.try_get("secrets")?;
                 Ok(Due {
                     id: r.try_get("id")?,
+                    claim: r.try_get("claim")?,
                     job_id: r.try_get("job_id")?,
                     endpoint: endpoint.map(|e| (e, secrets.unwrap_or_default())),
                     event: r.try_get("event")?,
@@ -131,18 +204,17 @@ impl Dispatcher {
                     disabled: r.try_get::<Option<bool>, _>("disabled")?.unwrap_or(false),
                 })
             })
-            .collect::<Result<_, sqlx::Error>>()?;
-        let n = due.len();
-        futures::future::join_all(due.into_iter().map(|d| self.deliver(d))).await;
-        Ok(n)
+            .collect()
     }
 
     async fn deliver(&self, d: Due) {
         if d.disabled {
-            let settled = sqlx::query("UPDATE webhook_deliveries SET state = 'disabled' WHERE id = $1 AND state = 'pending'")
-                .bind(d.id)
-                .execute(self.state.store.pool())
-                .await;
+            let settled =
+                sqlx::query("UPDATE webhook_deliveries SET state = 'disabled' WHERE id = $1 AND state = 'pending' AND claim = $2")
+                    .bind(d.id)
+                    .bind(d.claim)
+                    .execute(self.state.store.pool())
+                    .await;
             if let Err(e) = settled {
                 tracing::warn!(error = %e, delivery = %d.id, "could not settle a delivery to a disabled target");
             }
@@ -241,6 +313,18 @@ impl Dispatcher {
         };
         metrics::counter!("tern_webhook_attempts_total", "outcome" => state).increment(1);
         let mut tx = self.state.store.pool().begin().await?;
+        // A 410 writes the endpoint (or the job) and then its pending deliveries. Taking that
+        // parent's lock before touching any delivery keeps one order across transactions:
+        // two 410s for one endpoint otherwise each hold a delivery the other must disable.
+        if state == "disabled" {
+            match &d.endpoint {
+                Some((endpoint, _)) => sqlx::query("SELECT 1 FROM webhook_endpoints WHERE id = $1 FOR NO KEY UPDATE").bind(endpoint),
+                None => sqlx::query("SELECT 1 FROM jobs WHERE id = $1 FOR NO KEY UPDATE").bind(d.job_id),
+            }
+            .execute(&mut *tx)
+            .await?;
+        }
+        // The request was sent: its attempt is history whatever became of the claim.
         sqlx::query("INSERT INTO webhook_attempts (delivery_id, status, latency_ms, error) VALUES ($1, $2, $3, $4)")
             .bind(d.id)
             .bind(a.status.map(i32::from))
@@ -248,11 +332,14 @@ impl Dispatcher {
             .bind(&a.error)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(
-            "UPDATE webhook_deliveries SET state = $2, attempts = $3, last_status = $4, last_error = $5,
+        // Only while the claim holds: a replay or another dispatcher may own the delivery now.
+        // Disabled meanwhile by another delivery's 410, it stays disabled.
+        let held = sqlx::query(
+            "UPDATE webhook_deliveries SET state = CASE WHEN state = 'pending' THEN $2 ELSE state END,
+                    attempts = $3, last_status = $4, last_error = $5,
                     delivered_at = CASE WHEN $2 = 'delivered' THEN now() END,
-                    next_attempt_at = now() + make_interval(secs => $6)
-             WHERE id = $1",
+                    next_attempt_at = now() + make_interval(secs => $6), claim = NULL
+             WHERE id = $1 AND claim = $7",
         )
         .bind(d.id)
         .bind(state)
@@ -260,8 +347,16 @@ impl Dispatcher {
         .bind(a.status.map(i32::from))
         .bind(&a.error)
         .bind(next.unwrap_or_default().as_secs_f64())
+        .bind(d.claim)
         .execute(&mut *tx)
-        .await?;
+        .await?
+        .rows_affected()
+            == 1;
+        if !held {
+            tx.commit().await?;
+            tracing::warn!(delivery = %d.id, job = %d.job_id, status = ?a.status, "webhook attempt recorded, but its claim was lost: the delivery is another's now");
+            return Ok(());
+        }
         if state == "disabled" {
             match &d.endpoint {
                 // A tenant endpoint that said 410 is disabled for every job.
