@@ -36,12 +36,23 @@ impl ApiError {
 
 impl From<tern_jobs::Error> for ApiError {
     fn from(e: tern_jobs::Error) -> Self {
+        if let tern_jobs::Error::IdempotencyConflict(_) = &e {
+            return ApiError::new(StatusCode::CONFLICT, "idempotency_conflict", e.to_string());
+        }
         tracing::error!(error = %e, "request failed on a backing service");
         let (code, message) = match &e {
-            tern_jobs::Error::Database(_) => ("database_unavailable", "the job database is unavailable"),
-            tern_jobs::Error::Redis(_) | tern_jobs::Error::RedisPool(_) => ("queue_unavailable", "the queue is unavailable"),
-            tern_jobs::Error::ObjectStore(_) => ("storage_unavailable", "object storage is unavailable"),
-            tern_jobs::Error::Other(_) => ("internal", "internal error"),
+            tern_jobs::Error::Database(_) => {
+                ("database_unavailable", "the job database is unavailable")
+            }
+            tern_jobs::Error::Redis(_) | tern_jobs::Error::RedisPool(_) => {
+                ("queue_unavailable", "the queue is unavailable")
+            }
+            tern_jobs::Error::ObjectStore(_) => {
+                ("storage_unavailable", "object storage is unavailable")
+            }
+            tern_jobs::Error::Other(_) | tern_jobs::Error::IdempotencyConflict(_) => {
+                ("internal", "internal error")
+            }
         };
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code, message).retry_after(5)
     }

@@ -157,8 +157,21 @@ fn parse_webhook(v: &Value) -> Result<tern_jobs::Webhook, ApiError> {
     let bad = |m: String| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_webhook", m);
     let hook: tern_jobs::Webhook = serde_json::from_value(v.clone())
         .map_err(|e| bad(format!("\"webhook\" must be {{\"url\", \"events\"?}}: {e}")))?;
-    let scheme_ok = hook.url.get(..8).is_some_and(|p| p.eq_ignore_ascii_case("https://"))
-        || hook.url.get(..7).is_some_and(|p| p.eq_ignore_ascii_case("http://"));
+    let scheme_ok = hook
+        .url
+        .get(..8)
+        .is_some_and(|p| p.eq_ignore_ascii_case("https://"))
+        || hook
+            .url
+            .get(..7)
+            .is_some_and(|p| p.eq_ignore_ascii_case("http://"));
+    if !scheme_ok && reqwest::Url::parse(&hook.url).is_ok() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "url_forbidden",
+            "webhook.url: only http and https URLs are called".to_string(),
+        ));
+    }
     if !scheme_ok || hook.url.len() > WEBHOOK_URL_MAX || hook.url.chars().any(char::is_whitespace) {
         return Err(bad(format!("the webhook url must be an http(s) URL of at most {WEBHOOK_URL_MAX} characters")));
     }
@@ -252,15 +265,12 @@ pub fn fingerprint(value: &Value) -> String {
 
 fn file_error(field: &str, e: FileRefError) -> ApiError {
     let status = match e {
-        FileRefError::Shape => StatusCode::UNPROCESSABLE_ENTITY,
+        FileRefError::Shape | FileRefError::Scheme(_) => StatusCode::UNPROCESSABLE_ENTITY,
         FileRefError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         _ => StatusCode::BAD_REQUEST,
     };
     ApiError::new(status, e.code(), format!("input.{field}: {e}"))
 }
-
-/// Largest upload read back at submit to probe its audio duration: 512 MiB.
-const PROBE_MAX_BYTES: u64 = 512 * 1024 * 1024;
 
 /// Moves base64 files of a checked job into object storage, replacing them with their upload
 /// key; checks that referenced uploads exist; and, for audio, probes the duration to set the
@@ -304,17 +314,29 @@ async fn audio_cost(bytes: bytes::Bytes, max_audio_seconds: f64) -> Result<i32, 
     Ok(audio::windows_for(seconds) as i32)
 }
 
-/// The cost of an upload: from the headers in its first [`audio::HEADER_PREFIX_BYTES`] where
-/// they state its duration (WAV, FLAC, MP3 with a Xing header), else from the whole object.
+/// The cost of an upload, from its first [`audio::HEADER_PREFIX_BYTES`] only: the duration its
+/// headers state (WAV, FLAC, MP3 with a Xing header), else an estimate from the bitrate of the
+/// audio in those bytes and the object's size (MP3 without one, OGG). The API never reads a
+/// whole upload; the worker's decode holds the limit exactly and corrects the cost.
 async fn upload_cost(objects: &ObjectStore, key: &str, max_audio_seconds: f64) -> Result<i32, ApiError> {
     let prefix = objects.get_prefix(key, audio::HEADER_PREFIX_BYTES as u64).await?;
-    let declared = probe(move || audio::probe_prefix(&prefix)).await;
-    match declared {
-        Ok(Some(seconds)) if seconds > max_audio_seconds => Err(too_long(seconds, max_audio_seconds)),
-        Ok(Some(seconds)) if seconds > 0.0 => Ok(audio::windows_for(seconds) as i32),
-        // No stated duration, or a prefix that does not open alone: the whole file decides.
-        _ => audio_cost(objects.get(key, PROBE_MAX_BYTES).await?, max_audio_seconds).await,
+    let size = objects.size(key).await?.map_or(prefix.len() as u64, |n| n.max(0) as u64);
+    let (seconds, estimated) = probe(move || match audio::probe_prefix(&prefix)? {
+        Some(seconds) if seconds > 0.0 => Ok((seconds, false)),
+        _ => Ok((audio::estimate_from_prefix(&prefix, size)?, size > prefix.len() as u64)),
+    })
+    .await?;
+    if seconds > max_audio_seconds {
+        return Err(match estimated {
+            false => too_long(seconds, max_audio_seconds),
+            true => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "audio_too_long",
+                format!("the audio lasts about {seconds:.0} s (estimated from its bitrate); the limit is {max_audio_seconds:.0} s"),
+            ),
+        });
     }
+    Ok(audio::windows_for(seconds) as i32)
 }
 
 /// Runs an audio probe off the async runtime, mapping its errors to the API's.

@@ -14,7 +14,7 @@ use symphonia::core::codecs::audio::{AudioCodecParameters, AudioDecoderOptions};
 use symphonia::core::errors::Error as SymError;
 use symphonia::core::formats::probe::Hint;
 use symphonia::core::formats::{FormatOptions, FormatReader, TrackType};
-use symphonia::core::io::MediaSourceStream;
+use symphonia::core::io::{MediaSourceStream, ReadOnlySource};
 use symphonia::core::meta::MetadataOptions;
 
 /// Sample rate (Hz) of the PCM that [`decode_mono_16k`] returns and Whisper consumes.
@@ -86,7 +86,11 @@ fn open(bytes: &[u8]) -> Result<Opened, AudioError> {
 }
 
 fn open_source(source: Cursor<Vec<u8>>) -> Result<Opened, AudioError> {
-    let mss = MediaSourceStream::new(Box::new(source), Default::default());
+    // Unseekable on purpose: given a seekable source of known length, symphonia estimates an
+    // MP3's frame count from its byte length where no Xing/VBRI header states it. Of a prefix,
+    // that is the prefix's duration; of a variable bitrate, a guess that makes the whole file
+    // look truncated. Unseekable, `num_frames` is only ever what a header states.
+    let mss = MediaSourceStream::new(Box::new(ReadOnlySource::new(source)), Default::default());
     let format = symphonia::default::get_probe()
         .probe(
             &Hint::new(),
@@ -122,6 +126,8 @@ impl Opened {
 struct Decoded {
     interleaved: Vec<f32>,
     frames: u64,
+    /// Bytes of the packets decoded: the audio's share of the bytes read.
+    packet_bytes: u64,
     channels: usize,
     rate: u32,
 }
@@ -147,6 +153,7 @@ fn decode_interleaved(bytes: &[u8], limit: f64, keep: bool) -> Result<Decoded, A
     let mut samples: Vec<f32> = Vec::new();
     let mut chunk: Vec<f32> = Vec::new();
     let mut decoded_frames = 0u64;
+    let mut packet_bytes = 0u64;
     let mut channels = params.channels.as_ref().map(|c| c.count()).unwrap_or(0);
     let mut rate = params.sample_rate.unwrap_or(0);
     let mut decoded_any = false;
@@ -167,6 +174,7 @@ fn decode_interleaved(bytes: &[u8], limit: f64, keep: bool) -> Result<Decoded, A
         match decoder.decode(&packet) {
             Ok(buf) => {
                 decoded_any = true;
+                packet_bytes += packet.data.len() as u64;
                 channels = buf.spec().channels().count();
                 rate = buf.spec().rate();
                 decoded_frames += buf.frames() as u64;
@@ -207,7 +215,13 @@ fn decode_interleaved(bytes: &[u8], limit: f64, keep: bool) -> Result<Decoded, A
             )));
         }
     }
-    Ok(Decoded { interleaved: samples, frames: decoded_frames, channels, rate })
+    Ok(Decoded {
+        interleaved: samples,
+        frames: decoded_frames,
+        packet_bytes,
+        channels,
+        rate,
+    })
 }
 
 /// [`probe_duration_within`] with no limit.
@@ -244,6 +258,27 @@ pub fn probe_duration_within(bytes: &[u8], limit: f64) -> Result<f64, AudioError
 pub fn probe_prefix(prefix: &[u8]) -> Result<Option<f64>, AudioError> {
     let opened = open(prefix)?;
     Ok(opened.declared_seconds())
+}
+
+/// The duration of a file of `total_bytes` whose headers do not state it (an MP3 without a
+/// Xing/VBRI header, an OGG stream), from `prefix`, its first bytes: the seconds per byte of
+/// the audio packets in the prefix times the file's audio bytes, as ffprobe estimates from the
+/// bitrate. Exact when `prefix` is the whole file; close for constant bitrates; a variable
+/// bitrate can make it err either way, so it prices and screens a job, while the worker's
+/// decode enforces the limit exactly. Reads nothing past `prefix`.
+///
+/// Errors: [`AudioError::Unreadable`] or [`AudioError::Empty`] when the prefix holds no
+/// decodable audio.
+pub fn estimate_from_prefix(prefix: &[u8], total_bytes: u64) -> Result<f64, AudioError> {
+    let decoded = decode_interleaved(prefix, f64::INFINITY, false)?;
+    let seconds = decoded.frames as f64 / decoded.rate as f64;
+    if prefix.len() as u64 >= total_bytes || decoded.packet_bytes == 0 {
+        return Ok(seconds);
+    }
+    // Headers and tags ahead of the audio are not audio: only the rest of the file scales.
+    let overhead = (prefix.len() as u64).saturating_sub(decoded.packet_bytes);
+    let audio_bytes = total_bytes.saturating_sub(overhead);
+    Ok(seconds * audio_bytes as f64 / decoded.packet_bytes as f64)
 }
 
 /// [`decode_mono_16k_within`] with no limit: for audio already known to be short (test

@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
-use tern_audio::{decode_mono_16k, decode_mono_16k_within, probe_duration, probe_duration_within, probe_prefix, AudioError, SAMPLE_RATE};
+use tern_audio::{
+    decode_mono_16k, decode_mono_16k_within, estimate_from_prefix, probe_duration,
+    probe_duration_within, probe_prefix, AudioError, SAMPLE_RATE,
+};
 
 fn clip() -> Option<Vec<u8>> {
     let dir = std::env::var_os("TERN_MODELS_DIR")
@@ -157,4 +160,44 @@ fn a_recording_longer_than_the_limit_is_refused_from_its_header() {
     let second = wav(8_000, 1, &vec![0i16; 8_000]);
     assert_eq!(decode_mono_16k_within(&second, 1.0).unwrap().len(), 16_000);
     assert!(probe_duration_within(&second, 0.5).is_err());
+}
+
+/// `frames` silent MPEG-1 Layer III frames (128 kbit/s, 44.1 kHz, mono), with no Xing or VBRI
+/// header: a stream whose duration its headers do not state.
+fn headerless_mp3(frames: usize) -> Vec<u8> {
+    // 144 * 128000 / 44100 = 417 bytes a frame (no padding); zero side information decodes
+    // to silence.
+    let mut frame = vec![0u8; 417];
+    frame[..4].copy_from_slice(&[0xFF, 0xFB, 0x90, 0xC4]);
+    frame.repeat(frames)
+}
+
+/// Issue 20, item 1: a long MP3 without a duration header is measured from its first bytes and
+/// its size, so the API never reads a whole upload to price or refuse it.
+#[test]
+fn a_headerless_mp3_is_measured_from_its_first_megabyte() {
+    let frames = 25_000; // 653 s, 10.4 MB
+    let mp3 = headerless_mp3(frames);
+    let seconds = frames as f64 * 1152.0 / 44_100.0;
+    assert_eq!(
+        probe_prefix(&mp3[..tern_audio::HEADER_PREFIX_BYTES]).unwrap(),
+        None,
+        "no header states it"
+    );
+    let exact = probe_duration(&mp3).unwrap();
+    assert!(
+        (exact - seconds).abs() < 0.1,
+        "decoded {exact} s, built {seconds} s"
+    );
+    let estimate =
+        estimate_from_prefix(&mp3[..tern_audio::HEADER_PREFIX_BYTES], mp3.len() as u64).unwrap();
+    assert!(
+        (estimate - seconds).abs() / seconds < 0.01,
+        "estimated {estimate} s of {seconds} s"
+    );
+    // The whole file as its own prefix is exact.
+    let short = headerless_mp3(100);
+    let whole = estimate_from_prefix(&short, short.len() as u64).unwrap();
+    assert!((whole - 100.0 * 1152.0 / 44_100.0).abs() < 0.05, "{whole}");
+    assert!(estimate_from_prefix(b"not audio at all, not even close", 1 << 30).is_err());
 }

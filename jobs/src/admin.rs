@@ -3,7 +3,7 @@
 //! Redis ([`crate::Queue::pause`]), where workers read it.
 
 use crate::store::{job_from_row, prefixed_columns};
-use crate::{Job, JobKind, Result, Store};
+use crate::{Job, JobKind, Queue, Result, Store};
 use serde::Serialize;
 use sqlx::Row;
 use std::collections::BTreeMap;
@@ -198,21 +198,63 @@ impl Store {
     }
 }
 
+/// The advisory lock that writers of the pause flags hold while they write Postgres and then
+/// Redis: without it the reconciler could read the paused kinds, an admin pause or resume
+/// both, and the reconciler then write its stale reading over the admin's flag.
+const PAUSE_LOCK: i64 = 0x7465_726e_7061_7573; // "ternpaus"
+
 impl Store {
-    /// Records that `kind` is paused (or no longer is).
-    pub async fn set_paused(&self, kind: JobKind, paused: bool) -> Result<()> {
+    /// Records that `kind` is paused (or no longer is), and flags it so in Redis, where
+    /// workers read it.
+    pub async fn set_paused(&self, queue: &Queue, kind: JobKind, paused: bool) -> Result<()> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(PAUSE_LOCK)
+            .execute(&mut *tx)
+            .await?;
         let sql = if paused {
             "INSERT INTO paused_kinds (kind) VALUES ($1) ON CONFLICT DO NOTHING"
         } else {
             "DELETE FROM paused_kinds WHERE kind = $1"
         };
-        sqlx::query(sql).bind(kind.as_str()).execute(self.pool()).await?;
+        sqlx::query(sql)
+            .bind(kind.as_str())
+            .execute(&mut *tx)
+            .await?;
+        if paused {
+            queue.pause(kind).await?;
+        } else {
+            queue.resume(kind).await?;
+        }
+        tx.commit().await?;
         Ok(())
     }
 
-    /// The kinds paused now.
-    pub async fn paused_kinds(&self) -> Result<Vec<JobKind>> {
-        let kinds: Vec<String> = sqlx::query_scalar("SELECT kind FROM paused_kinds").fetch_all(self.pool()).await?;
-        Ok(kinds.iter().filter_map(|k| k.parse().ok()).collect())
+    /// Sets the Redis pause flags to the kinds Postgres records as paused (after Redis lost
+    /// them). Returns the kinds whose flag changed.
+    pub async fn restore_pause_flags(&self, queue: &Queue) -> Result<Vec<(JobKind, bool)>> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(PAUSE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        let kinds: Vec<String> = sqlx::query_scalar("SELECT kind FROM paused_kinds")
+            .fetch_all(&mut *tx)
+            .await?;
+        let paused: Vec<JobKind> = kinds.iter().filter_map(|k| k.parse().ok()).collect();
+        let mut changed = Vec::new();
+        for &kind in JobKind::ALL {
+            let want = paused.contains(&kind);
+            if want != queue.is_paused(kind).await? {
+                if want {
+                    queue.pause(kind).await?;
+                } else {
+                    queue.resume(kind).await?;
+                }
+                changed.push((kind, want));
+            }
+        }
+        tx.commit().await?;
+        Ok(changed)
     }
 }

@@ -25,7 +25,9 @@ pub fn forbidden_kind(ip: IpAddr) -> Option<&'static str> {
     match ip {
         IpAddr::V4(v4) => v4_kind(v4),
         IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
+            // IPv4-mapped (::ffff:a.b.c.d) and the deprecated IPv4-compatible (::a.b.c.d) forms
+            // reach the IPv4 address on dual-stack hosts.
+            if let Some(v4) = v6.to_ipv4() {
                 return v4_kind(v4);
             }
             let s = v6.segments();
@@ -138,8 +140,10 @@ impl reqwest::dns::Resolve for GuardedResolver {
 }
 
 /// A client builder whose DNS resolution refuses internal addresses (unless `allow_private`).
+/// It ignores `HTTP(S)_PROXY`: through a proxy the guard would check only the proxy's address,
+/// and the proxy would reach whatever the URL names.
 pub fn guarded_builder(allow_private: bool) -> reqwest::ClientBuilder {
-    let builder = reqwest::Client::builder();
+    let builder = reqwest::Client::builder().no_proxy();
     if allow_private {
         builder
     } else {
@@ -151,7 +155,12 @@ pub fn guarded_builder(allow_private: bool) -> reqwest::ClientBuilder {
 /// [`MAX_REDIRECTS`]) checked the same way, `timeout` for the whole request.
 pub fn client(allow_private: bool, timeout: Duration) -> reqwest::Client {
     let redirects = reqwest::redirect::Policy::custom(move |attempt| {
-        match check_redirect(attempt.url().as_str(), attempt.previous().len(), allow_private) {
+        // `previous()` holds the first URL too: the redirects so far are one fewer.
+        match check_redirect(
+            attempt.url().as_str(),
+            attempt.previous().len().saturating_sub(1),
+            allow_private,
+        ) {
             Ok(()) => attempt.follow(),
             Err(e) => attempt.error(e),
         }
@@ -186,7 +195,23 @@ mod tests {
 
     #[test]
     fn internal_addresses_are_forbidden_and_public_ones_not() {
-        for ip in ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "0.0.0.0", "100.64.0.1", "::1", "fd00:ec2::254", "fe80::1", "::ffff:127.0.0.1", "64:ff9b::a00:1"] {
+        for ip in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "::1",
+            "fd00:ec2::254",
+            "fe80::1",
+            "::ffff:127.0.0.1",
+            "::127.0.0.1",
+            "::a00:1",
+            "::",
+            "64:ff9b::a00:1",
+        ] {
             assert!(forbidden_kind(ip.parse().unwrap()).is_some(), "{ip}");
         }
         for ip in ["8.8.8.8", "1.1.1.1", "2606:4700::1111", "172.32.0.1"] {
@@ -211,5 +236,67 @@ mod tests {
         assert!(check_redirect("http://10.0.0.1/", 1, false).is_err());
         assert!(check_redirect("https://example.com/next", 1, false).is_ok());
         assert!(check_redirect("https://example.com/next", MAX_REDIRECTS, false).is_err());
+    }
+
+    /// A plain HTTP server on 127.0.0.1: `/hop/N` redirects to `/hop/N-1`, `/hop/0` answers 200.
+    async fn redirect_chain() -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let n = conn.read(&mut buf).await.unwrap_or(0);
+                    let request = String::from_utf8_lossy(&buf[..n]);
+                    let path = request.split_whitespace().nth(1).unwrap_or("/");
+                    let hops: u32 = path.trim_start_matches("/hop/").parse().unwrap_or(0);
+                    let response = if hops == 0 {
+                        "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
+                            .to_string()
+                    } else {
+                        format!("HTTP/1.1 302 Found\r\nlocation: /hop/{}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n", hops - 1)
+                    };
+                    let _ = conn.write_all(response.as_bytes()).await;
+                });
+            }
+        });
+        base
+    }
+
+    #[tokio::test]
+    async fn the_client_follows_five_redirects_and_refuses_a_sixth() {
+        let base = redirect_chain().await;
+        let http = client(true, Duration::from_secs(10));
+        let ok = http
+            .get(format!("{base}/hop/{MAX_REDIRECTS}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ok.status(), 200);
+        let err = http
+            .get(format!("{base}/hop/{}", MAX_REDIRECTS + 1))
+            .send()
+            .await
+            .unwrap_err();
+        assert!(
+            forbidden_cause(&err).is_some_and(|why| why.contains("redirects")),
+            "{err:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_client_ignores_proxies_from_the_environment() {
+        let base = redirect_chain().await;
+        // A proxy that refuses every connection: going through it would fail the request.
+        // (nextest runs each test in a process of its own, so the variables stay here.)
+        for var in ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY"] {
+            std::env::set_var(var, "http://127.0.0.1:9");
+        }
+        std::env::remove_var("NO_PROXY");
+        std::env::remove_var("no_proxy");
+        let http = client(true, Duration::from_secs(10));
+        let ok = http.get(format!("{base}/hop/0")).send().await.unwrap();
+        assert_eq!(ok.status(), 200, "fetched directly, not through the proxy");
     }
 }

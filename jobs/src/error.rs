@@ -10,6 +10,10 @@ pub enum Error {
     RedisPool(#[from] deadpool_redis::PoolError),
     #[error("object storage: {0}")]
     ObjectStore(String),
+    /// A job's idempotency key was used by its tenant for a different request; nothing of
+    /// the insert was committed.
+    #[error("idempotency key {0:?} was used for a different request")]
+    IdempotencyConflict(String),
     #[error("{0}")]
     Other(String),
 }

@@ -39,7 +39,9 @@ impl FileRefError {
     pub fn code(&self) -> &'static str {
         match self {
             FileRefError::Shape => "invalid_input",
-            FileRefError::Scheme(_) | FileRefError::Url(_) => "invalid_url",
+            // A scheme tern never fetches is refused as the internal addresses are.
+            FileRefError::Scheme(_) => "url_forbidden",
+            FileRefError::Url(_) => "invalid_url",
             FileRefError::Base64(_) => "invalid_base64",
             FileRefError::TooLarge => "file_too_large",
             FileRefError::UploadKey(_) => "upload_not_found",
@@ -115,10 +117,15 @@ mod tests {
         assert!(FileRef::parse(&json!({"url": "https://example.com/a.wav"})).is_ok());
         assert!(FileRef::parse(&json!({"url": "HTTP://example.com/a.wav"})).is_ok());
         let err = FileRef::parse(&json!({"url": "file:///etc/passwd"})).unwrap_err();
-        assert_eq!(err.code(), "invalid_url");
+        assert_eq!(err.code(), "url_forbidden");
         let err = FileRef::parse(&json!({"url": "ftp://example.com/a"})).unwrap_err();
-        assert_eq!(err.code(), "invalid_url");
-        assert_eq!(FileRef::parse(&json!({"url": "example.com"})).unwrap_err().code(), "invalid_url");
+        assert_eq!(err.code(), "url_forbidden");
+        assert_eq!(
+            FileRef::parse(&json!({"url": "example.com"}))
+                .unwrap_err()
+                .code(),
+            "invalid_url"
+        );
     }
 
     #[test]

@@ -287,6 +287,30 @@ impl Queue {
         Ok(())
     }
 
+    /// The running jobs of `kind` flagged for their workers to cancel.
+    pub async fn canceled(&self, kind: JobKind) -> Result<Vec<Uuid>> {
+        let mut c = self.conn().await?;
+        let ids: Vec<String> = c.smembers(self.key(kind, "canceled")).await?;
+        ids.iter().map(|s| parse_uuid(s)).collect()
+    }
+
+    /// Flags `add` for their workers to cancel and drops the flags of `remove`.
+    pub async fn set_canceled(&self, kind: JobKind, add: &[Uuid], remove: &[Uuid]) -> Result<()> {
+        let mut c = self.conn().await?;
+        let key = self.key(kind, "canceled");
+        if !add.is_empty() {
+            let _: () = c
+                .sadd(&key, add.iter().map(Uuid::to_string).collect::<Vec<_>>())
+                .await?;
+        }
+        if !remove.is_empty() {
+            let _: () = c
+                .srem(&key, remove.iter().map(Uuid::to_string).collect::<Vec<_>>())
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Removes a canceled waiting job, or flags a running one for its worker.
     pub async fn cancel(&self, kind: JobKind, id: Uuid, running: bool) -> Result<()> {
         let mut c = self.conn().await?;

@@ -3,12 +3,13 @@
 //! Each expired lease counts as a used attempt: the job becomes `retrying` with backoff, or
 //! `failed` (`lease_expired`) after its last attempt. A job that merely ran long but whose worker
 //! is alive keeps its lease through heartbeats, so it is never reaped; a worker that stalls past
-//! its lease may see its job run twice, but only the newest lease can record the outcome.
+//! its lease may see its job run twice, but only the newest lease can record the outcome. A job
+//! whose lease expired before Postgres marked it running is put back as it was, uncharged.
 
-use crate::queue::SettleAction;
+use crate::queue::{Enqueue, SettleAction};
 use crate::store::{Outcome, Settlement};
 use crate::{Failure, JobKind, JobState, Queue, Result, RetryPolicy, Store};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -73,7 +74,41 @@ impl Reaper {
         if !settled.is_empty() {
             tracing::warn!(kind = %kind, jobs = settled.len(), "returned jobs whose lease expired");
         }
-        Ok(settled.len())
+        // A lease whose job Postgres never marked running (its worker died between pull and
+        // start, or the start failed) settles nothing above, and the job is now in no Redis
+        // set: it goes back at once rather than waiting for the reconciler's sweep.
+        let settled_ids: HashSet<Uuid> = settled.iter().map(|s| s.id).collect();
+        let unsettled: Vec<Uuid> = expired
+            .iter()
+            .map(|(id, _)| *id)
+            .filter(|id| !settled_ids.contains(id))
+            .collect();
+        let mut restored = 0;
+        if !unsettled.is_empty() {
+            let waiting: Vec<_> = self
+                .store
+                .waiting_among(&unsettled)
+                .await?
+                .into_iter()
+                .map(|job| {
+                    (
+                        Enqueue {
+                            id: job.id,
+                            kind: job.kind,
+                            priority: job.priority,
+                            cost: job.cost,
+                            run_at: job.run_at,
+                        },
+                        None,
+                    )
+                })
+                .collect();
+            if !waiting.is_empty() {
+                restored = self.queue.restore(kind, &waiting).await?;
+                tracing::warn!(kind = %kind, jobs = restored, "put back jobs whose lease expired before they started");
+            }
+        }
+        Ok(settled.len() + restored as usize)
     }
 
     /// Runs every `interval` until `stop` resolves.

@@ -12,7 +12,8 @@
 //! is missing, every unfinished job is checked at once and the marker is set afterwards.
 //! With several API replicas, a Redis lock lets one of them sweep per round.
 //!
-//! Each round also sets the Redis pause flags to the paused kinds Postgres records.
+//! Each round also sets the Redis pause flags to the paused kinds Postgres records, and the
+//! cancel flags to the running jobs whose cancel Postgres records.
 
 use crate::queue::Enqueue;
 use crate::{JobKind, JobState, Queue, Result, Store};
@@ -39,18 +40,10 @@ pub struct Reconciler {
 impl Reconciler {
     /// One sweep; returns how many jobs were restored.
     pub async fn run_once(&self) -> Result<u64> {
-        let paused = self.store.paused_kinds().await?;
-        for &kind in JobKind::ALL {
-            let want = paused.contains(&kind);
-            if want != self.queue.is_paused(kind).await? {
-                tracing::info!(%kind, paused = want, "pause flag restored from Postgres");
-                if want {
-                    self.queue.pause(kind).await?;
-                } else {
-                    self.queue.resume(kind).await?;
-                }
-            }
+        for (kind, paused) in self.store.restore_pause_flags(&self.queue).await? {
+            tracing::info!(%kind, paused, "pause flag restored from Postgres");
         }
+        self.restore_cancel_flags().await?;
         let epoch = self.queue.epoch().await?;
         let settled_before =
             epoch.as_ref().map(|_| Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default());
@@ -83,6 +76,41 @@ impl Reconciler {
             tracing::warn!(restored, redis_data_lost = epoch.is_none(), "restored jobs Redis did not hold");
         }
         Ok(restored)
+    }
+
+    /// Sets each kind's cancel flags (what workers read at heartbeats) to the running jobs
+    /// Postgres holds as cancel-requested: a flag Redis lost is set again, and a flag left for
+    /// a job that has ended is dropped.
+    async fn restore_cancel_flags(&self) -> Result<()> {
+        // Redis first: a flag set there after the Postgres read below belongs to a cancel that
+        // committed in Postgres first, so it is in that read and is kept.
+        let mut flagged = HashMap::new();
+        for &kind in JobKind::ALL {
+            flagged.insert(kind, self.queue.canceled(kind).await?);
+        }
+        let mut wanted: HashMap<JobKind, Vec<Uuid>> = HashMap::new();
+        for (id, kind) in self.store.cancel_requested().await? {
+            wanted.entry(kind).or_default().push(id);
+        }
+        for &kind in JobKind::ALL {
+            let have = &flagged[&kind];
+            let want = wanted.get(&kind).map(Vec::as_slice).unwrap_or_default();
+            let add: Vec<Uuid> = want
+                .iter()
+                .filter(|id| !have.contains(id))
+                .copied()
+                .collect();
+            let remove: Vec<Uuid> = have
+                .iter()
+                .filter(|id| !want.contains(id))
+                .copied()
+                .collect();
+            if !add.is_empty() {
+                tracing::warn!(%kind, jobs = add.len(), "cancel flags restored from Postgres");
+            }
+            self.queue.set_canceled(kind, &add, &remove).await?;
+        }
+        Ok(())
     }
 
     /// Sweeps every `interval` (when this process holds the sweep lock) until `stop` changes.

@@ -113,8 +113,10 @@ impl Store {
         Ok(())
     }
 
-    /// Inserts jobs in one statement. Jobs whose idempotency key is already taken are skipped:
-    /// the returned list holds only the jobs inserted now.
+    /// Inserts jobs in one transaction. Jobs whose idempotency key their tenant already used
+    /// for the same request are skipped: the returned list holds only the jobs inserted now.
+    /// A key used for a different request (earlier, or by another job of `jobs`) fails the
+    /// whole insert with [`Error::IdempotencyConflict`](crate::Error::IdempotencyConflict).
     pub async fn insert(&self, jobs: &[NewJob]) -> Result<Vec<Job>> {
         if jobs.is_empty() {
             return Ok(Vec::new());
@@ -161,13 +163,14 @@ impl Store {
                             $12::text[], $13::text[], $14::text[])
                      AS t(id, kind, priority, state, input, cost, max_attempts, run_at, timeout_ms,
                           metadata, idempotency_key, request_sha256, webhook, tenant)
-                ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING {JOB_COLUMNS}
             ), events AS (
                 INSERT INTO job_events (job_id, state, attempt) SELECT id, state, 0 FROM inserted
             )
             SELECT {JOB_COLUMNS} FROM inserted"
         );
+        let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(&sql)
             .bind(&ids)
             .bind(&kinds)
@@ -183,9 +186,32 @@ impl Store {
             .bind(&hashes)
             .bind(&webhooks)
             .bind(&tenants)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await?;
-        rows.iter().map(job_from_row).collect()
+        let inserted: Vec<Job> = rows.iter().map(job_from_row).collect::<Result<_>>()?;
+        // A skipped job's key is taken: by the same request (a replay) or by another one.
+        let fresh: std::collections::HashSet<Uuid> = inserted.iter().map(|j| j.id).collect();
+        let skipped: Vec<&NewJob> = jobs
+            .iter()
+            .filter(|j| j.idempotency_key.is_some() && !fresh.contains(&j.id))
+            .collect();
+        if !skipped.is_empty() {
+            let conflict: Option<String> = sqlx::query_scalar(
+                "SELECT s.key FROM unnest($1::text[], $2::text[], $3::text[]) AS s(tenant, key, sha)
+                 JOIN jobs j ON j.tenant = s.tenant AND j.idempotency_key = s.key
+                 WHERE j.request_sha256 IS DISTINCT FROM s.sha LIMIT 1",
+            )
+            .bind(skipped.iter().map(|j| j.tenant.as_str()).collect::<Vec<_>>())
+            .bind(skipped.iter().map(|j| j.idempotency_key.as_deref()).collect::<Vec<_>>())
+            .bind(skipped.iter().map(|j| j.request_sha256.as_deref()).collect::<Vec<_>>())
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(key) = conflict {
+                return Err(crate::Error::IdempotencyConflict(key));
+            }
+        }
+        tx.commit().await?;
+        Ok(inserted)
     }
 
     pub async fn get(&self, id: Uuid) -> Result<Option<Job>> {
@@ -194,9 +220,15 @@ impl Store {
         row.as_ref().map(job_from_row).transpose()
     }
 
-    pub async fn get_by_idempotency_key(&self, key: &str) -> Result<Option<Job>> {
-        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = $1");
-        let row = sqlx::query(&sql).bind(key).fetch_optional(&self.pool).await?;
+    /// `tenant`'s job under idempotency key `key`.
+    pub async fn get_by_idempotency_key(&self, tenant: &str, key: &str) -> Result<Option<Job>> {
+        let sql =
+            format!("SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = $1 AND idempotency_key = $2");
+        let row = sqlx::query(&sql)
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(job_from_row).transpose()
     }
 
@@ -383,6 +415,11 @@ impl Store {
                 FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[])
                      AS u(id, token, state, output, error)
                 JOIN jobs j ON j.id = u.id
+                -- Locked, so the cancel_requested read is the latest: a cancel that commits
+                -- while this statement runs is seen, not overwritten by a retry. In id order,
+                -- so two settles of overlapping jobs (a worker and the reaper) cannot deadlock.
+                ORDER BY j.id
+                FOR UPDATE OF j
             ), settled AS (
                 UPDATE jobs j SET
                     state = b.state,
@@ -424,6 +461,30 @@ impl Store {
             .collect()
     }
 
+    /// Running jobs whose cancel was requested: their workers are to stop them.
+    pub async fn cancel_requested(&self) -> Result<Vec<(Uuid, JobKind)>> {
+        let rows: Vec<(Uuid, String)> = sqlx::query_as(
+            "SELECT id, kind FROM jobs WHERE state = 'running' AND cancel_requested",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|(id, kind)| Ok((id, parse_kind(kind)?)))
+            .collect()
+    }
+
+    /// Those of `ids` that Postgres holds as waiting (queued, scheduled or retrying).
+    pub async fn waiting_among(&self, ids: &[Uuid]) -> Result<Vec<ActiveJob>> {
+        let rows = sqlx::query(
+            "SELECT id, kind, priority, state, cost, run_at, lease_token FROM jobs
+             WHERE id = ANY($1) AND state IN ('queued', 'scheduled', 'retrying')",
+        )
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(active_job).collect()
+    }
+
     /// A page of jobs that are not finished, by id, after `after`. With `settled_before`, only
     /// jobs whose state has not changed since then (the reconciler leaves fresh jobs alone: the
     /// API may be about to enqueue them).
@@ -445,20 +506,20 @@ impl Store {
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(ActiveJob {
-                    id: r.try_get("id")?,
-                    kind: parse_kind(r.try_get("kind")?)?,
-                    priority: parse_priority(r.try_get("priority")?)?,
-                    state: parse_state(r.try_get("state")?)?,
-                    cost: r.try_get("cost")?,
-                    run_at: r.try_get("run_at")?,
-                    lease_token: r.try_get("lease_token")?,
-                })
-            })
-            .collect()
+        rows.iter().map(active_job).collect()
     }
+}
+
+fn active_job(r: &sqlx::postgres::PgRow) -> Result<ActiveJob> {
+    Ok(ActiveJob {
+        id: r.try_get("id")?,
+        kind: parse_kind(r.try_get("kind")?)?,
+        priority: parse_priority(r.try_get("priority")?)?,
+        state: parse_state(r.try_get("state")?)?,
+        cost: r.try_get("cost")?,
+        run_at: r.try_get("run_at")?,
+        lease_token: r.try_get("lease_token")?,
+    })
 }
 
 fn to_json<T: serde::Serialize>(value: &T) -> String {

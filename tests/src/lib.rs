@@ -302,6 +302,12 @@ impl Cluster {
         Ok(Process { name: name.to_string(), child: Some(child), log })
     }
 
+    /// Sets (or replaces) a variable of the API's environment for its next start.
+    pub fn set_api_env(&mut self, key: &str, value: &str) {
+        self.api_env.retain(|(k, _)| k != key);
+        self.api_env.push((key.to_string(), value.to_string()));
+    }
+
     /// (Re)starts the API on its port and waits until `/readyz` answers 200.
     pub async fn start_api(&mut self) -> Result<()> {
         let mut env = vec![("TERN_LISTEN".to_string(), format!("127.0.0.1:{}", self.api_port))];

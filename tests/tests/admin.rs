@@ -292,3 +292,39 @@ async fn a_drained_worker_finishes_its_batch_and_pulls_nothing_until_undrained()
     assert!(w["optimisations"].as_array().unwrap().iter().any(|o| o.as_str().unwrap().contains("whisper")), "{system}");
     assert_eq!(system["queue"]["queued"], 0, "{system}");
 }
+
+/// Issue 20, item 10: the reconciler, which sets the Redis pause flags to what Postgres
+/// records, never writes a reading older than an admin's pause or resume over it: after every
+/// toggle (here with the reconciler sweeping without pause), the flag workers read is the one
+/// the admin set, and stays so.
+#[tokio::test]
+async fn the_reconciler_never_undoes_a_pause_or_resume() {
+    let cluster = Cluster::start(&[("TERN_RECONCILE_INTERVAL_MS", "1")])
+        .await
+        .unwrap();
+    let mut redis = cluster.redis().await.unwrap();
+    let flag = format!("{}:{{echo}}:paused", cluster.redis_prefix);
+    let mut undone = Vec::new();
+    for i in 0..80 {
+        let pause = i % 2 == 0;
+        let action = if pause { "pause" } else { "resume" };
+        let (status, _) = cluster
+            .post(&format!("/v1/admin/queues/echo/{action}"), &json!({}))
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let set: bool = redis::cmd("EXISTS")
+            .arg(&flag)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if set != pause {
+            undone.push(i);
+        }
+    }
+    assert!(
+        undone.is_empty(),
+        "toggles undone by the reconciler: {undone:?}"
+    );
+}

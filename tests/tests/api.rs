@@ -33,6 +33,96 @@ async fn an_idempotency_key_replays_the_same_job_and_refuses_a_different_body() 
     assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 1);
 }
 
+/// Issue 20, item 10: idempotency keys are scoped to the tenant (another tenant's use of a key
+/// neither blocks nor reveals anything), and a batch whose jobs share a key with different
+/// bodies commits none of its jobs.
+#[tokio::test]
+async fn idempotency_keys_are_per_tenant_and_a_conflicting_batch_commits_nothing() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let a = cluster
+        .client_for(
+            &cluster
+                .create_key("tenant-a", "jobs:write,jobs:read")
+                .unwrap(),
+        )
+        .unwrap();
+    let b = cluster
+        .client_for(
+            &cluster
+                .create_key("tenant-b", "jobs:write,jobs:read")
+                .unwrap(),
+        )
+        .unwrap();
+    let submit = |client: &reqwest::Client, body: Value| {
+        client
+            .post(cluster.url("/v1/jobs"))
+            .header("Idempotency-Key", "order-42")
+            .json(&body)
+            .send()
+    };
+    let from_a = submit(&a, json!({"kind": "echo", "input": {"message": "a"}}))
+        .await
+        .unwrap();
+    assert_eq!(from_a.status(), 201);
+    let from_a: Value = from_a.json().await.unwrap();
+    let from_b = submit(&b, json!({"kind": "echo", "input": {"message": "b"}}))
+        .await
+        .unwrap();
+    assert_eq!(from_b.status(), 201, "B's key is B's own");
+    let from_b: Value = from_b.json().await.unwrap();
+    assert_ne!(from_a["id"], from_b["id"]);
+    let again = submit(&a, json!({"kind": "echo", "input": {"message": "a"}}))
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200);
+    assert_eq!(again.json::<Value>().await.unwrap()["id"], from_a["id"]);
+
+    let before = job_count(&cluster).await;
+    let batch = |jobs: Value| {
+        a.post(cluster.url("/v1/jobs/batch"))
+            .json(&json!({ "jobs": jobs }))
+            .send()
+    };
+    let conflicting = batch(json!([
+        {"kind": "echo", "input": {"message": "fresh"}},
+        {"kind": "echo", "input": {"message": 1}, "idempotency_key": "dup"},
+        {"kind": "echo", "input": {"message": 2}, "idempotency_key": "dup"},
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(conflicting.status(), 409);
+    assert_eq!(
+        conflicting.json::<Value>().await.unwrap()["error"]["code"],
+        "idempotency_conflict"
+    );
+    let reused = batch(json!([
+        {"kind": "echo", "input": {"message": "fresh"}},
+        {"kind": "echo", "input": {"message": "b"}, "idempotency_key": "order-42"},
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(reused.status(), 409, "a key A used for another body");
+    assert_eq!(
+        job_count(&cluster).await,
+        before,
+        "neither batch committed a job"
+    );
+
+    let same = batch(json!([
+        {"kind": "echo", "input": {"message": 1}, "idempotency_key": "twice"},
+        {"kind": "echo", "input": {"message": 1}, "idempotency_key": "twice"},
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(same.status(), 201);
+    let same: Value = same.json().await.unwrap();
+    assert_eq!(
+        same["jobs"][0]["id"], same["jobs"][1]["id"],
+        "the same request twice is one job"
+    );
+    assert_eq!(job_count(&cluster).await, before + 1);
+}
+
 #[tokio::test]
 async fn bad_input_gets_a_4xx_with_a_stable_code_and_nothing_is_enqueued() {
     let cluster = Cluster::start(&[("TERN_MAX_BODY_BYTES", "65536")]).await.unwrap();
@@ -45,8 +135,9 @@ async fn bad_input_gets_a_4xx_with_a_stable_code_and_nothing_is_enqueued() {
         ("unknown input field", json!({"kind": "echo", "input": {"colour": "red"}}), 422, "invalid_input"),
         ("missing input", json!({"kind": "echo"}), 422, "invalid_input"),
         ("bad base64", json!({"kind": "echo", "input": {"file": {"base64": "%%%not base64"}}}), 400, "invalid_base64"),
-        ("non-http URL", json!({"kind": "echo", "input": {"file": {"url": "file:///etc/passwd"}}}), 400, "invalid_url"),
-        ("ftp URL", json!({"kind": "echo", "input": {"file": {"url": "ftp://example.com/a.wav"}}}), 400, "invalid_url"),
+        ("non-http URL", json!({"kind": "echo", "input": {"file": {"url": "file:///etc/passwd"}}}), 422, "url_forbidden"),
+        ("ftp URL", json!({"kind": "echo", "input": {"file": {"url": "ftp://example.com/a.wav"}}}), 422, "url_forbidden"),
+        ("no scheme", json!({"kind": "echo", "input": {"file": {"url": "example.com/a.wav"}}}), 400, "invalid_url"),
         ("missing upload", json!({"kind": "echo", "input": {"file": {"upload_key": "uploads/nothing-here"}}}), 400, "upload_not_found"),
         ("unknown field", json!({"kind": "echo", "input": {}, "colour": "red"}), 400, "invalid_request"),
         ("bad max_attempts", json!({"kind": "echo", "input": {}, "max_attempts": 0}), 400, "invalid_request"),
@@ -152,6 +243,79 @@ async fn files_arrive_as_base64_as_a_presigned_upload_or_by_url() {
         assert_eq!(output["file"]["sha256"], digest.as_str());
         assert_eq!(output["file"]["size"], content.len());
     }
+}
+
+/// Issue 20, item 1: an uploaded MP3 whose headers do not state its length is priced and
+/// refused from its first MiB and its size (never read whole by the API): ten minutes of it
+/// are refused under a five-minute limit, and cost 22 windows under the default one.
+#[tokio::test]
+async fn a_long_headerless_mp3_upload_is_measured_without_reading_it_whole() {
+    // Silent MPEG-1 Layer III frames (128 kbit/s, 44.1 kHz, mono), no Xing header: 653 s.
+    let mut frame = vec![0u8; 417];
+    frame[..4].copy_from_slice(&[0xFF, 0xFB, 0x90, 0xC4]);
+    let mp3 = frame.repeat(25_000);
+    let mut cluster = Cluster::start(&[("TERN_MAX_AUDIO_SECONDS", "300")])
+        .await
+        .unwrap();
+    let upload = |cluster: &Cluster| {
+        let mp3 = mp3.clone();
+        let http = cluster.http.clone();
+        let presign = cluster.url("/v1/uploads");
+        async move {
+            let upload: Value = http
+                .post(presign)
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let put = http
+                .put(upload["url"].as_str().unwrap())
+                .body(mp3)
+                .send()
+                .await
+                .unwrap();
+            assert!(put.status().is_success());
+            upload["upload_key"].as_str().unwrap().to_string()
+        }
+    };
+    let key = upload(&cluster).await;
+    let (status, err) = cluster
+        .post(
+            "/v1/jobs",
+            &json!({"kind": "transcribe", "input": {"audio": {"upload_key": key}}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, err["error"]["code"].as_str()),
+        (413, Some("audio_too_long")),
+        "{err}"
+    );
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("about 653 s"), "{message}");
+
+    cluster.api.as_mut().unwrap().kill9();
+    cluster.set_api_env("TERN_MAX_AUDIO_SECONDS", "7200");
+    cluster.start_api().await.unwrap();
+    let key = upload(&cluster).await;
+    let (status, job) = cluster
+        .post(
+            "/v1/jobs",
+            &json!({"kind": "transcribe", "input": {"audio": {"upload_key": key}}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{job}");
+    let id: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+    let cost: i32 = sqlx::query_scalar("SELECT cost FROM jobs WHERE id = $1")
+        .bind(id)
+        .fetch_one(&cluster.pg)
+        .await
+        .unwrap();
+    assert_eq!(cost, 22, "653 s is 22 windows of 30 s");
 }
 
 #[tokio::test]

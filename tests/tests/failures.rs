@@ -294,3 +294,148 @@ async fn a_postgres_blip_at_settle_keeps_the_batch_and_charges_no_attempt() {
     assert_eq!(attempts, 1, "no attempt charged for the blip");
     assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
 }
+
+/// Issue 20, item 8: a job whose lease expires before Postgres marked it running (its worker
+/// was killed between pull and start) goes back to its queue with the reaper's next round,
+/// uncharged, not after the reconciler's sweep (here kept out of the way with a long grace).
+#[tokio::test]
+async fn a_job_pulled_but_never_started_is_put_back_by_the_reaper() {
+    let mut cluster = Cluster::start(&[
+        ("TERN_RECONCILE_GRACE_MS", "600000"),
+        ("TERN_REAPER_INTERVAL_MS", "200"),
+    ])
+    .await
+    .unwrap();
+    let ids = cluster
+        .submit_all(&[json!({"kind": "echo", "input": {"message": "again"}})])
+        .await
+        .unwrap();
+    // A worker that pulls with a 300 ms lease and is killed before it starts the job.
+    let settings = tern_jobs::queue::QueueSettings {
+        lease: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let doomed =
+        tern_jobs::Queue::connect(&tern_e2e::redis_url(), &cluster.redis_prefix, 2, settings)
+            .unwrap();
+    let pulled = doomed.pull(tern_jobs::JobKind::Echo, 1, 1).await.unwrap();
+    assert_eq!(pulled.len(), 1);
+    assert_eq!(pulled[0].id, ids[0]);
+    drop(doomed);
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 0);
+    cluster
+        .wait_until(
+            "the job is back in its queue",
+            Duration::from_secs(10),
+            || async { Ok(cluster.queue_len("echo", "ready").await? == 1) },
+        )
+        .await
+        .unwrap();
+    assert_eq!(cluster.state_of(ids[0]).await.unwrap(), "queued");
+    let _worker = cluster
+        .spawn_worker(&[("TERN_WORKER_KINDS", "echo")])
+        .unwrap();
+    let states = cluster
+        .wait_terminal(&ids, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(states.get("succeeded"), Some(&1), "{states:?}");
+    let (_, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
+    assert_eq!(job["attempts"], 1, "the lost pull is not charged: {job}");
+}
+
+/// Issue 20, item 10: a cancel that commits while a failed attempt is being settled is not
+/// overwritten by the retry: the settle reads the job's cancel under its row lock, and the
+/// job ends `canceled` instead of running again.
+#[tokio::test]
+async fn a_cancel_that_commits_while_a_retry_settles_is_not_lost() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let ids = cluster.submit_all(&sleeping_jobs(1, 0)).await.unwrap();
+    let store = Store::connect(&cluster.database_url, 4).await.unwrap();
+    let token = 1_000_000;
+    assert_eq!(
+        store
+            .start("test-worker", &[(ids[0], token)])
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // The cancel's transaction holds the job's row while the settle starts.
+    let mut cancel = cluster.pg.begin().await.unwrap();
+    sqlx::query("UPDATE jobs SET cancel_requested = true WHERE id = $1")
+        .bind(ids[0])
+        .execute(&mut *cancel)
+        .await
+        .unwrap();
+    let settle = tokio::spawn({
+        let store = store.clone();
+        let id = ids[0];
+        async move {
+            let failed = Outcome::Retry(tern_jobs::Failure::new(
+                "transient",
+                "it failed, and may be retried",
+            ));
+            store
+                .settle(
+                    &[Settlement {
+                        id,
+                        token,
+                        outcome: failed,
+                    }],
+                    RetryPolicy::default(),
+                )
+                .await
+        }
+    });
+    cluster
+        .wait_until("the settle waits on the job's row", Duration::from_secs(10), || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&cluster.pg)
+            .await?;
+            Ok(waiting > 0)
+        })
+        .await
+        .unwrap();
+    cancel.commit().await.unwrap();
+    let settled = settle.await.unwrap().unwrap();
+    assert_eq!(settled.len(), 1);
+    assert_eq!(settled[0].state, tern_jobs::JobState::Canceled);
+    assert_eq!(cluster.state_of(ids[0]).await.unwrap(), "canceled");
+}
+
+/// Issue 20, item 10: the flags that tell workers to stop canceled jobs are rebuilt from
+/// Postgres after Redis lost them: a job whose cancel Postgres records but Redis forgot still
+/// stops, instead of running to its end.
+#[tokio::test]
+async fn a_cancel_redis_lost_still_reaches_the_worker() {
+    let mut cluster = Cluster::start(&[("TERN_RECONCILE_INTERVAL_MS", "500")])
+        .await
+        .unwrap();
+    let ids = cluster
+        .submit_all(&sleeping_jobs(1, 120_000))
+        .await
+        .unwrap();
+    let _worker = cluster
+        .spawn_worker(&[("TERN_WORKER_KINDS", "echo")])
+        .unwrap();
+    wait_running(&cluster, 1).await;
+    // As after a cancel whose Redis write was lost with the rest of Redis's data.
+    sqlx::query("UPDATE jobs SET cancel_requested = true WHERE id = $1")
+        .bind(ids[0])
+        .execute(&cluster.pg)
+        .await
+        .unwrap();
+    lose_data(&cluster.redis_prefix).await;
+    cluster
+        .wait_terminal(&ids, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(cluster.state_of(ids[0]).await.unwrap(), "canceled");
+    assert_eq!(
+        jobs_without_exactly_one_terminal_event(&cluster, &ids).await,
+        0
+    );
+}

@@ -162,8 +162,7 @@ pub async fn queues(State(state): State<AppState>, caller: Caller) -> Result<Jso
 pub async fn pause(State(state): State<AppState>, caller: Caller, Path(kind): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = path_kind(&kind)?;
-    state.store.set_paused(kind, true).await?;
-    state.queue.pause(kind).await?;
+    state.store.set_paused(&state.queue, kind, true).await?;
     tracing::info!(kind = kind.as_str(), "queue paused");
     Ok(Json(json!({ "kind": kind, "paused": true })))
 }
@@ -186,8 +185,7 @@ pub async fn pause(State(state): State<AppState>, caller: Caller, Path(kind): Pa
 pub async fn resume(State(state): State<AppState>, caller: Caller, Path(kind): Path<String>) -> Result<Json<Value>, ApiError> {
     caller.require("admin")?;
     let kind = path_kind(&kind)?;
-    state.store.set_paused(kind, false).await?;
-    state.queue.resume(kind).await?;
+    state.store.set_paused(&state.queue, kind, false).await?;
     tracing::info!(kind = kind.as_str(), "queue resumed");
     Ok(Json(json!({ "kind": kind, "paused": false })))
 }

@@ -126,10 +126,13 @@ async fn insert_and_enqueue(state: &AppState, jobs: &[NewJob]) -> Result<Vec<Job
 
 /// What an earlier request with the same idempotency key left, if any.
 async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiError> {
-    let Some(key) = &job.idempotency_key else { return Ok(None) };
-    let Some(existing) = state.store.get_by_idempotency_key(key).await? else { return Ok(None) };
-    // Another tenant's key is a conflict like any other, and tells nothing about its job.
-    if existing.request_sha256 != job.request_sha256 || existing.tenant != job.tenant {
+    let Some(key) = &job.idempotency_key else {
+        return Ok(None);
+    };
+    let Some(existing) = state.store.get_by_idempotency_key(&job.tenant, key).await? else {
+        return Ok(None);
+    };
+    if existing.request_sha256 != job.request_sha256 {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "idempotency_conflict",
@@ -149,7 +152,7 @@ async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiErro
     operation_id = "submit_job",
     tag = "jobs",
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 ASCII characters. The same key with the same body returns the first request's job (200); with another body, 409 `idempotency_conflict`. Equivalent to the body's `idempotency_key`, which it may not contradict."),
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 ASCII characters, scoped to the caller's tenant. The same key with the same body returns the first request's job (200); with another body, 409 `idempotency_conflict`. Equivalent to the body's `idempotency_key`, which it may not contradict."),
     ),
     request_body(content = openapi::JobRequest, description = "The job: its kind, the kind's input, and options."),
     responses(
@@ -208,7 +211,7 @@ pub async fn submit(
     responses(
         (status = 201, description = "Every job of the batch in request order; a replayed request shows its earlier job", body = openapi::JobBatch),
         (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_character` (a NUL anywhere), `invalid_request` (not `{\"jobs\": [...]}`), `batch_too_large` (0 or over 1,000 jobs), or a job's own error (its message starts `jobs[i]:`)", body = openapi::Error),
-        (status = 409, description = "`idempotency_conflict`: a job's key was used for another request", body = openapi::Error),
+        (status = 409, description = "`idempotency_conflict`: a job's key was used for another request, earlier or within this batch; no job of the batch is committed", body = openapi::Error),
         (status = 413, description = "`body_too_large`, `file_too_large`, `audio_too_long`", body = openapi::Error),
         (status = 422, description = "A job's `invalid_input`, `invalid_webhook`, `webhooks_not_configured`, `url_forbidden`, `audio_unreadable`, `audio_empty`", body = openapi::Error),
         (status = 429, description = "`rate_limited` or `tenant_queue_full`", body = openapi::Error,
@@ -520,7 +523,7 @@ pub async fn replay(State(state): State<AppState>, caller: Caller, Path(id): Pat
     let tenant = &caller.require("jobs:write")?.tenant;
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such delivery"))?;
     let updated = sqlx::query(
-        "UPDATE webhook_deliveries d SET state = 'pending', attempts = 0, next_attempt_at = now()
+        "UPDATE webhook_deliveries d SET state = 'pending', attempts = 0, next_attempt_at = now(), claim = NULL
          FROM jobs j WHERE d.id = $1 AND j.id = d.job_id AND j.tenant = $2",
     )
     .bind(id)
