@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tern_jobs::object_store::ObjectStoreSettings;
 use tern_jobs::ObjectStore;
@@ -87,29 +88,42 @@ pub fn free_port() -> u16 {
 
 /// Relays TCP connections from 127.0.0.1:`port` to `target` (`HOST:PORT`) until dropped: a
 /// backing service that comes up at `port` only once the relay starts, for tests of what
-/// clients do before it does.
-pub struct Relay(tokio::task::JoinHandle<()>);
+/// clients do before it does. Dropping it cuts every relayed connection too, as the service
+/// going down would.
+pub struct Relay {
+    accept: tokio::task::JoinHandle<()>,
+    connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+}
 
 impl Relay {
     pub async fn start(port: u16, target: &str) -> Result<Relay> {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
         let target = target.to_string();
-        Ok(Relay(tokio::spawn(async move {
+        let connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let tracked = connections.clone();
+        let accept = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
                 let target = target.clone();
-                tokio::spawn(async move {
+                let relayed = tokio::spawn(async move {
                     if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
                         let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
                     }
                 });
+                let mut tracked = tracked.lock().expect("relay connections");
+                tracked.retain(|c| !c.is_finished());
+                tracked.push(relayed.abort_handle());
             }
-        })))
+        });
+        Ok(Relay { accept, connections })
     }
 }
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        self.0.abort();
+        self.accept.abort();
+        for c in self.connections.lock().expect("relay connections").drain(..) {
+            c.abort();
+        }
     }
 }
 

@@ -1,0 +1,331 @@
+//! The fault-injection run (issue 20): thousands of jobs with webhooks go through tern while its
+//! workers are killed with SIGKILL every few seconds, Redis is flushed and then killed and
+//! restarted empty, Postgres goes away (every connection cut, new ones refused) and comes back,
+//! the S3 server is unreachable for a while, and the API is killed. Then every accepted job is
+//! in exactly one terminal state, none succeeded twice, every output's SHA-256 matches its
+//! object, and every success's webhook arrived and verifies. The figures are printed (and kept
+//! in docs/benchmarks.md).
+//!
+//! Redis here is a private `redis-server` this test kills; Postgres and S3 are the real servers
+//! behind relays this test cuts, so other suites' services are left alone.
+
+use axum::body::Bytes;
+use axum::http::HeaderMap;
+use base64::Engine;
+use futures::StreamExt;
+use hmac::{Hmac, Mac};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::collections::{HashMap, HashSet};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tern_e2e::{Cluster, Process, Relay};
+use uuid::Uuid;
+
+const JOBS: usize = 3000;
+const BATCH: usize = 50;
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const WORKERS: usize = 3;
+
+/// A `redis-server` of this test's own, without persistence: a restart comes back empty.
+struct PrivateRedis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    async fn start(port: u16) -> PrivateRedis {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server runs (scripts/services.sh installs it)");
+        let redis = PrivateRedis { port, child: Some(child) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis.connection().await.is_err() {
+            assert!(Instant::now() < deadline, "the private redis-server did not come up");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        redis
+    }
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+    async fn connection(&self) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        redis::Client::open(self.url())?.get_multiplexed_async_connection().await
+    }
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// What the webhook receiver got: per job id, whether a `job.succeeded` delivery verified.
+#[derive(Clone, Default)]
+struct Received {
+    succeeded: Arc<Mutex<HashMap<Uuid, bool>>>,
+    requests: Arc<Mutex<usize>>,
+}
+
+fn verifies(id: &str, timestamp: &str, body: &[u8], signatures: &str) -> bool {
+    let key = base64::engine::general_purpose::STANDARD.decode(SECRET.trim_start_matches("whsec_")).unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
+    mac.update(format!("{id}.{timestamp}.").as_bytes());
+    mac.update(body);
+    let expected = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+    signatures.split(' ').filter_map(|s| s.strip_prefix("v1,")).any(|s| s == expected)
+}
+
+async fn start_receiver(got: Received) -> String {
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |headers: HeaderMap, body: Bytes| {
+            let got = got.clone();
+            async move {
+                let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+                let ok = verifies(&header("webhook-id"), &header("webhook-timestamp"), &body, &header("webhook-signature"));
+                *got.requests.lock().unwrap() += 1;
+                let event: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                if event["type"] == "job.succeeded" {
+                    if let Some(id) = event["data"]["id"].as_str().and_then(|s| s.parse().ok()) {
+                        *got.succeeded.lock().unwrap().entry(id).or_default() |= ok;
+                    }
+                }
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+/// `HOST:PORT` of a URL (without any `user@`).
+fn host_port(url: &str) -> String {
+    let authority = url.split("://").nth(1).unwrap_or_default().split('/').next().unwrap_or_default();
+    authority.rsplit('@').next().unwrap_or_default().to_string()
+}
+
+/// Submits every job in batches, retrying each batch (same idempotency keys, so a retry after
+/// a lost answer is the same jobs) until it is accepted; returns the accepted ids.
+async fn submit_through_faults(http: reqwest::Client, base: String, hook: String) -> Vec<Uuid> {
+    let mut ids = Vec::with_capacity(JOBS);
+    for start in (0..JOBS).step_by(BATCH) {
+        let jobs: Vec<Value> = (start..(start + BATCH).min(JOBS))
+            .map(|i| {
+                json!({"kind": "echo", "input": {"message": i, "sleep_ms": 20}, "max_attempts": 20,
+                       "idempotency_key": format!("fault-{i}"),
+                       "webhook": {"url": hook, "events": ["job.succeeded"]}})
+            })
+            .collect();
+        loop {
+            let sent = http.post(format!("{base}/v1/jobs/batch")).json(&json!({ "jobs": jobs })).send().await;
+            if let Ok(resp) = sent {
+                if resp.status() == 201 {
+                    let body: Value = resp.json().await.unwrap();
+                    ids.extend(body["jobs"].as_array().unwrap().iter().map(|j| j["id"].as_str().unwrap().parse::<Uuid>().unwrap()));
+                    break;
+                }
+                assert!(resp.status().is_server_error(), "a batch was refused: {}", resp.status());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    ids
+}
+
+#[tokio::test]
+async fn thousands_of_jobs_survive_killed_workers_and_every_backing_service_failing() {
+    let began = Instant::now();
+    let mut redis = PrivateRedis::start(tern_e2e::free_port()).await;
+    let pg_port = tern_e2e::free_port();
+    let s3_port = tern_e2e::free_port();
+    let pg_target = host_port(&tern_e2e::postgres_admin_url());
+    let s3_target = host_port(&tern_e2e::s3_endpoint());
+    let mut pg_relay = Some(Relay::start(pg_port, &pg_target).await.unwrap());
+    let mut s3_relay = Some(Relay::start(s3_port, &s3_target).await.unwrap());
+    let received = Received::default();
+    let hook = start_receiver(received.clone()).await;
+
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let mut database_url = reqwest::Url::parse(&cluster.database_url).unwrap();
+    database_url.set_port(Some(pg_port)).unwrap();
+    let services = [
+        ("TERN_DATABASE_URL", database_url.to_string()),
+        ("TERN_REDIS_URL", redis.url()),
+        ("TERN_S3_ENDPOINT", format!("http://127.0.0.1:{s3_port}")),
+        ("TERN_LEASE_MS", "2000".to_string()),
+    ];
+    cluster.api.as_mut().unwrap().kill9();
+    for (k, v) in &services {
+        cluster.set_api_env(k, v);
+    }
+    for (k, v) in [
+        ("TERN_WEBHOOK_SECRETS", SECRET),
+        ("TERN_WEBHOOK_SCHEDULE_MS", "0,200,500,1000,2000,2000,2000,2000,2000,2000,2000,2000"),
+        ("TERN_WEBHOOK_POLL_MS", "50"),
+        ("TERN_RECONCILE_INTERVAL_MS", "500"),
+        ("TERN_REAPER_INTERVAL_MS", "250"),
+    ] {
+        cluster.set_api_env(k, v);
+    }
+    cluster.start_api().await.unwrap();
+    let worker_env: Vec<(&str, &str)> =
+        services.iter().map(|(k, v)| (*k, v.as_str())).chain([("TERN_WORKER_KINDS", "echo")]).collect();
+    let mut workers: Vec<Process> = (0..WORKERS).map(|_| cluster.spawn_worker(&worker_env).unwrap()).collect();
+
+    let submitter = tokio::spawn(submit_through_faults(cluster.http.clone(), cluster.url(""), hook));
+    let t0 = Instant::now();
+    let at = |s: u64| t0 + Duration::from_secs(s);
+    let mut kills = 0;
+    let mut next_kill = at(2);
+    let mut log = Vec::new();
+    // (second, fault) in order; worker kills go on every 3 s throughout.
+    let mut faults: Vec<(u64, &str)> =
+        vec![(8, "redis flushall"), (16, "redis killed"), (24, "postgres down"), (32, "s3 down"), (40, "api killed")];
+    faults.reverse();
+    let mut last_fault_end = Instant::now();
+    while t0.elapsed() < Duration::from_secs(46) {
+        if Instant::now() >= next_kill {
+            let victim = kills % workers.len();
+            workers[victim].kill9();
+            workers[victim] = cluster.spawn_worker(&worker_env).unwrap();
+            kills += 1;
+            next_kill += Duration::from_secs(3);
+            last_fault_end = Instant::now();
+        }
+        if let Some((second, fault)) = faults.last().copied() {
+            if Instant::now() >= at(second) {
+                faults.pop();
+                log.push(format!("{:.1}s {fault}", t0.elapsed().as_secs_f64()));
+                match fault {
+                    "redis flushall" => {
+                        let mut c = redis.connection().await.unwrap();
+                        let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+                    }
+                    "redis killed" => {
+                        redis.kill9();
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        redis = PrivateRedis::start(redis.port).await;
+                    }
+                    "postgres down" => {
+                        pg_relay = None;
+                        tokio::time::sleep(Duration::from_secs(4)).await;
+                        pg_relay = Some(Relay::start(pg_port, &pg_target).await.unwrap());
+                    }
+                    "s3 down" => {
+                        s3_relay = None;
+                        tokio::time::sleep(Duration::from_secs(6)).await;
+                        s3_relay = Some(Relay::start(s3_port, &s3_target).await.unwrap());
+                    }
+                    "api killed" => {
+                        cluster.api.as_mut().unwrap().kill9();
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        cluster.start_api().await.unwrap();
+                    }
+                    _ => unreachable!(),
+                }
+                last_fault_end = Instant::now();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(faults.is_empty() && pg_relay.is_some() && s3_relay.is_some());
+    let ids = submitter.await.unwrap();
+    assert_eq!(ids.len(), JOBS, "every job was accepted in the end");
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), JOBS, "a retried batch is the same jobs, not new ones");
+
+    let states = cluster.wait_terminal(&ids, Duration::from_secs(180)).await.unwrap();
+    let recovery = last_fault_end.elapsed();
+    let terminal: i64 = states.values().sum();
+    let lost = JOBS as i64 - terminal;
+    // Exactly one terminal event per job, and at most one success.
+    let not_one_end: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
+         WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state IN ('succeeded', 'failed', 'canceled')) <> 1",
+    )
+    .bind(&ids)
+    .fetch_one(&cluster.pg)
+    .await
+    .unwrap();
+    let twice: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
+         WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state = 'succeeded') > 1",
+    )
+    .bind(&ids)
+    .fetch_one(&cluster.pg)
+    .await
+    .unwrap();
+    let reruns: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE id = ANY($1) AND attempts > 1")
+        .bind(&ids)
+        .fetch_one(&cluster.pg)
+        .await
+        .unwrap();
+
+    // Every output's object has the SHA-256 Postgres recorded.
+    let outputs: Vec<(Uuid, String, String)> = sqlx::query_as(
+        "SELECT id, output->>'key', output->>'sha256' FROM jobs WHERE id = ANY($1) AND state = 'succeeded'",
+    )
+    .bind(&ids)
+    .fetch_all(&cluster.pg)
+    .await
+    .unwrap();
+    let objects = cluster.objects.clone();
+    let mismatched: Vec<Uuid> = futures::stream::iter(outputs.clone())
+        .map(|(id, key, sha)| {
+            let objects = objects.clone();
+            async move {
+                let body = objects.get(&key, 1 << 20).await.unwrap();
+                (hex::encode(Sha256::digest(&body)) != sha).then_some(id)
+            }
+        })
+        .buffer_unordered(16)
+        .filter_map(|m| async move { m })
+        .collect()
+        .await;
+
+    // Every success's webhook arrives, signed.
+    let succeeded: Vec<Uuid> = outputs.iter().map(|(id, _, _)| *id).collect();
+    let _ = cluster
+        .wait_until("every success's webhook", Duration::from_secs(90), || async {
+            let got = received.succeeded.lock().unwrap();
+            Ok(succeeded.iter().all(|id| got.get(id) == Some(&true)))
+        })
+        .await;
+    let missing_webhooks = {
+        let got = received.succeeded.lock().unwrap();
+        succeeded.iter().filter(|id| got.get(id) != Some(&true)).count()
+    };
+    let webhook_requests = *received.requests.lock().unwrap();
+
+    println!(
+        "fault run: {JOBS} jobs accepted, {terminal} terminal ({states:?}), {lost} lost, {twice} succeeded twice, \
+         {not_one_end} without exactly one end, {reruns} run more than once, {kills} workers killed, faults: {}; \
+         recovery after the last fault {:.1} s; {} outputs checked, {} mismatched; {missing_webhooks} successes without \
+         a verified webhook ({webhook_requests} webhook requests); {:.0} s in all",
+        log.join(", "),
+        recovery.as_secs_f64(),
+        outputs.len(),
+        mismatched.len(),
+        began.elapsed().as_secs_f64(),
+    );
+    assert_eq!(lost, 0);
+    assert_eq!(not_one_end, 0);
+    assert_eq!(twice, 0);
+    assert_eq!(states.get("succeeded").copied(), Some(JOBS as i64), "{states:?}");
+    assert!(mismatched.is_empty(), "outputs whose object does not match: {mismatched:?}");
+    assert_eq!(missing_webhooks, 0);
+    assert!(kills >= 10);
+}
