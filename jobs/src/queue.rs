@@ -319,6 +319,8 @@ impl Queue {
             .key(self.key(kind, "delayed"))
             .key(self.key(kind, "meta"))
             .key(self.key(kind, "canceled"))
+            .key(self.key(kind, "leases"))
+            .key(self.key(kind, "tokens"))
             .arg(id.to_string())
             .arg(if running { "running" } else { "waiting" })
             .invoke_async(&mut *c)

@@ -221,12 +221,12 @@ async fn thousands_of_jobs_survive_killed_workers_and_every_backing_service_fail
                         redis = PrivateRedis::start(redis.port).await;
                     }
                     "postgres down" => {
-                        pg_relay = None;
+                        drop(pg_relay.take());
                         tokio::time::sleep(Duration::from_secs(4)).await;
                         pg_relay = Some(Relay::start(pg_port, &pg_target).await.unwrap());
                     }
                     "s3 down" => {
-                        s3_relay = None;
+                        drop(s3_relay.take());
                         tokio::time::sleep(Duration::from_secs(6)).await;
                         s3_relay = Some(Relay::start(s3_port, &s3_target).await.unwrap());
                     }
