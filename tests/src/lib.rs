@@ -86,6 +86,16 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
+/// Deletes every key under `prefix` on the test Redis: a deployment's Redis losing its data.
+pub async fn delete_redis_prefix(prefix: &str) -> Result<()> {
+    let mut c = redis::Client::open(redis_url())?.get_multiplexed_async_connection().await?;
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}:*")).query_async(&mut c).await?;
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut c).await?;
+    }
+    Ok(())
+}
+
 /// Relays TCP connections from 127.0.0.1:`port` to `target` (`HOST:PORT`) until dropped: a
 /// backing service that comes up at `port` only once the relay starts, for tests of what
 /// clients do before it does. Dropping it cuts every relayed connection too, as the service

@@ -212,11 +212,7 @@ fn private_queue(lease_ms: u64) -> (tern_jobs::Queue, String) {
 
 /// Deletes every key of `prefix`: Redis losing this queue's data.
 async fn lose_data(prefix: &str) {
-    let mut c = redis::Client::open(tern_e2e::redis_url()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}:*")).query_async(&mut c).await.unwrap();
-    if !keys.is_empty() {
-        let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut c).await.unwrap();
-    }
+    tern_e2e::delete_redis_prefix(prefix).await.unwrap();
 }
 
 fn echo_job() -> tern_jobs::queue::Enqueue {

@@ -182,11 +182,7 @@ impl World {
             8 => {
                 if self.rng.below(4) == 0 {
                     self.log.push("redis loses its data".into());
-                    let keys: Vec<String> =
-                        redis::cmd("KEYS").arg(format!("{}:*", self.prefix)).query_async(&mut self.redis).await.unwrap();
-                    if !keys.is_empty() {
-                        let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut self.redis).await.unwrap();
-                    }
+                    tern_e2e::delete_redis_prefix(&self.prefix).await.unwrap();
                     self.lost = true;
                     // Before the sweep, a heartbeat is never told its lease is lost.
                     if let Some((id, Recorded::Running(token))) = self.pick(|r| matches!(r, Recorded::Running(_))) {
@@ -248,10 +244,7 @@ async fn queue_scripts_keep_their_invariants_under_random_interleavings() {
         // Settle everything: the reaper and the sweep bring every unfinished job back.
         tokio::time::sleep(Duration::from_millis(LEASE_MS + 5)).await;
         world.sweep().await;
-        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}:*", world.prefix)).query_async(&mut world.redis).await.unwrap();
-        if !keys.is_empty() {
-            let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut world.redis).await.unwrap();
-        }
+        tern_e2e::delete_redis_prefix(&world.prefix).await.unwrap();
         println!(
             "seed {seed}: {} jobs, {} finished, highest token {}",
             world.jobs.len(),

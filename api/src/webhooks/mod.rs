@@ -77,10 +77,18 @@ struct Attempt {
 /// Deliveries in flight per URL.
 type Busy = Arc<Mutex<HashMap<String, usize>>>;
 
-/// One delivery's place in its URL's count, given back when its task ends, however it ends.
+/// One delivery's place in its URL's count: taken when made, given back when its task ends,
+/// however it ends.
 struct Slot {
     busy: Busy,
     url: String,
+}
+
+impl Slot {
+    fn take(busy: &Busy, url: &str) -> Slot {
+        *busy.lock().expect("busy map").entry(url.to_string()).or_default() += 1;
+        Slot { busy: busy.clone(), url: url.to_string() }
+    }
 }
 
 impl Drop for Slot {
@@ -110,15 +118,7 @@ impl Dispatcher {
                     Ok(due) => {
                         full = due.len() == room;
                         for d in due {
-                            *busy
-                                .lock()
-                                .expect("busy map")
-                                .entry(d.url.clone())
-                                .or_default() += 1;
-                            let slot = Slot {
-                                busy: busy.clone(),
-                                url: d.url.clone(),
-                            };
+                            let slot = Slot::take(&busy, &d.url);
                             let me = this.clone();
                             flying.spawn(async move {
                                 let _slot = slot;
