@@ -101,6 +101,7 @@ pub fn document() -> Value {
         .expect("the routes' bodies give the document component schemas");
     add_kind_schemas(schemas);
     split_job_request(schemas);
+    add_cross_field_rules(schemas);
     add_shared_responses(&mut doc);
     optional_parameters_not_null(&mut doc);
     doc["webhooks"] = webhooks();
@@ -159,11 +160,27 @@ fn add_kind_schemas(schemas: &mut Map<String, Value>) {
                 .collect();
             for (def, mut def_schema) in defs {
                 retarget_refs(&mut def_schema, &renamed);
+                state_base64(&mut def_schema);
                 schemas.insert(format!("{name}{}", capitalised(&def)), def_schema);
             }
             retarget_refs(&mut schema, &renamed);
             schemas.insert(name, schema);
         }
+    }
+}
+
+/// Canonical padded base64 (RFC 4648, no line breaks), as the API decodes it: the last quantum's
+/// unused bits are zero. Leading and trailing whitespace is trimmed first.
+const BASE64_PATTERN: &str =
+    r"^\s*(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/][AQgw]==|[A-Za-z0-9+/]{2}[AEIMQUYcgkosw048]=)?\s*$";
+
+/// A file's `base64` alternative, which the kinds' schemas leave any string (the API decodes it
+/// and answers `invalid_base64` or `file_too_large` itself), states what the API accepts.
+fn state_base64(def: &mut Value) {
+    if let Some(base64) = def.pointer_mut("/properties/base64").and_then(Value::as_object_mut) {
+        base64.insert("pattern".into(), json!(BASE64_PATTERN));
+        base64.insert("maxLength".into(), json!(tern_jobs::file_ref::BASE64_MAX_BYTES / 3 * 4));
+        base64.insert("contentEncoding".into(), json!("base64"));
     }
 }
 
@@ -220,6 +237,25 @@ fn split_job_request(schemas: &mut Map<String, Value>) {
             "discriminator": { "propertyName": "kind", "mapping": mapping },
         }),
     );
+}
+
+/// What the API checks across fields, which utoipa's attributes cannot say: a job names
+/// `run_at` or `delay_ms`, not both (null counts as absent); a retry names ids or a kind.
+fn add_cross_field_rules(schemas: &mut Map<String, Value>) {
+    let not_null = json!({ "not": { "type": "null" } });
+    for &kind in Kind::ALL {
+        let variant = schemas.get_mut(&format!("{}JobRequest", pascal(kind))).expect("split_job_request made it");
+        variant["not"] = json!({
+            "description": "`run_at` and `delay_ms` together (400 `invalid_request`)",
+            "required": ["run_at", "delay_ms"],
+            "properties": { "run_at": not_null, "delay_ms": not_null },
+        });
+    }
+    let retry = schemas.get_mut("RetryRequest").expect("the retry route gives a RetryRequest schema");
+    retry["anyOf"] = json!([
+        { "required": ["ids"], "properties": { "ids": { "minItems": 1 } } },
+        { "required": ["kind"], "properties": { "kind": not_null } },
+    ]);
 }
 
 /// The answers of every route that takes an API key (those with `security`), unless the
@@ -527,6 +563,25 @@ mod tests {
         let limit = list.as_array().expect("parameters").iter().find(|p| p["name"] == "limit").expect("limit");
         assert_eq!(limit["required"], json!(false));
         assert_eq!(limit["schema"]["type"], "integer");
+    }
+
+    #[test]
+    fn the_documented_limits_are_the_servers() {
+        use tern_jobs::job::{MAX_ATTEMPTS_LIMIT, TIMEOUT_MS_LIMIT};
+        let doc = document();
+        let job = &doc["components"]["schemas"]["EchoJobRequest"]["properties"];
+        assert_eq!(job["max_attempts"]["maximum"], json!(MAX_ATTEMPTS_LIMIT));
+        assert_eq!(job["timeout_ms"]["maximum"], json!(TIMEOUT_MS_LIMIT));
+        // `submission::parse_run_at`: a year of 366 days.
+        assert_eq!(job["delay_ms"]["maximum"], json!(366 * 24 * 3600 * 1000_i64));
+        for (path, method) in [("/v1/jobs", "get"), ("/v1/admin/jobs", "get")] {
+            let list = doc["paths"][path][method]["parameters"].as_array().expect("parameters");
+            let limit = list.iter().find(|p| p["name"] == "limit").expect("limit");
+            assert_eq!(limit["schema"]["minimum"], json!(1));
+            assert_eq!(limit["schema"]["maximum"], json!(crate::routes::jobs::LIST_LIMIT_MAX), "{path}");
+        }
+        let batch = &doc["components"]["schemas"]["BatchRequest"]["properties"]["jobs"];
+        assert_eq!(batch["maxItems"], json!(crate::routes::jobs::BATCH_MAX));
     }
 
     /// The values of a string enumeration schema.

@@ -63,21 +63,21 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_input", format!("input of {kind}: {msg}"))
     })?;
 
+    let mut input = input;
+    integers_as_integers(&mut input);
     let cost = estimated_cost(kind, &input);
     let mut job = NewJob::new(kind, input);
     job.cost = cost;
     job.priority = priority;
     job.run_at = parse_run_at(obj)?;
     if let Some(v) = obj.get("max_attempts").filter(|v| !v.is_null()) {
-        job.max_attempts = v
-            .as_i64()
+        job.max_attempts = integer(v)
             .filter(|n| (1..=MAX_ATTEMPTS_LIMIT as i64).contains(n))
             .ok_or_else(|| invalid(format!("\"max_attempts\" must be an integer from 1 to {MAX_ATTEMPTS_LIMIT}")))?
             as i32;
     }
     if let Some(v) = obj.get("timeout_ms").filter(|v| !v.is_null()) {
-        job.timeout_ms = v
-            .as_i64()
+        job.timeout_ms = integer(v)
             .filter(|n| (1..=TIMEOUT_MS_LIMIT).contains(n))
             .ok_or_else(|| invalid(format!("\"timeout_ms\" must be an integer from 1 to {TIMEOUT_MS_LIMIT}")))?;
     }
@@ -108,7 +108,7 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         (h, b) => h.or(b),
     };
     if let Some(key) = key {
-        if key.is_empty() || key.len() > IDEMPOTENCY_KEY_MAX_LEN {
+        if key.is_empty() || key.chars().count() > IDEMPOTENCY_KEY_MAX_LEN {
             return Err(invalid(format!("idempotency keys are 1 to {IDEMPOTENCY_KEY_MAX_LEN} characters")));
         }
         job.idempotency_key = Some(key.to_string());
@@ -117,14 +117,14 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
     Ok(Submission { job })
 }
 
-/// Refuses upload keys outside the tenant's prefix as unknown (400 `upload_not_found`, as for a
+/// Refuses upload keys outside the tenant's prefix as unknown (404 `upload_not_found`, as for a
 /// missing upload), so one tenant cannot use, or learn of, another's upload.
 pub fn check_upload_tenant(job: &NewJob, tenant: &str) -> Result<(), ApiError> {
     let own = format!("{}{}/", tern_jobs::file_ref::UPLOAD_PREFIX, crate::routes::uploads::tenant_segment(tenant));
     for field in job.kind.file_fields() {
         if let Some(Ok(FileRef::UploadKey(key))) = job.input.get(*field).map(FileRef::parse) {
             if !key.starts_with(&own) {
-                return Err(ApiError::bad_request("upload_not_found", format!("no upload {key}")));
+                return Err(ApiError::new(StatusCode::NOT_FOUND, "upload_not_found", format!("no upload {key}")));
             }
         }
     }
@@ -172,8 +172,11 @@ fn parse_webhook(v: &Value) -> Result<tern_jobs::Webhook, ApiError> {
             "webhook.url: only http and https URLs are called".to_string(),
         ));
     }
-    if !scheme_ok || hook.url.len() > WEBHOOK_URL_MAX || hook.url.chars().any(char::is_whitespace) {
-        return Err(bad(format!("the webhook url must be an http(s) URL of at most {WEBHOOK_URL_MAX} characters")));
+    let printable = hook.url.chars().all(|c| c.is_ascii_graphic());
+    if !scheme_ok || hook.url.len() > WEBHOOK_URL_MAX || !printable || reqwest::Url::parse(&hook.url).is_err() {
+        return Err(bad(format!(
+            "the webhook url must be an http(s) URL of at most {WEBHOOK_URL_MAX} printable ASCII characters"
+        )));
     }
     if let Some(events) = &hook.events {
         let known = tern_jobs::job::WEBHOOK_EVENTS;
@@ -222,6 +225,26 @@ fn estimated_cost(kind: JobKind, input: &Value) -> i32 {
     cost.clamp(1, i32::MAX as usize) as i32
 }
 
+/// An integer as JSON Schema counts them: `5` and `5.0` alike.
+fn integer(v: &Value) -> Option<i64> {
+    v.as_i64().or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 2f64.powi(53)).map(|f| f as i64))
+}
+
+/// Writes integral floats (`5.0`) of an input as integers (`5`): its schema counts them as
+/// integers, and the worker reads integer fields with serde, which would refuse `5.0`.
+fn integers_as_integers(value: &mut Value) {
+    match value {
+        Value::Number(n) if !n.is_i64() && !n.is_u64() => {
+            if let Some(i) = integer(value) {
+                *value = Value::from(i);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(integers_as_integers),
+        Value::Object(fields) => fields.values_mut().for_each(integers_as_integers),
+        _ => {}
+    }
+}
+
 fn unknown_kind(kind: &str) -> ApiError {
     let known: Vec<&str> = JobKind::ALL.iter().map(|k| k.as_str()).collect();
     ApiError::bad_request("unknown_kind", format!("unknown job kind {kind}; known kinds: {}", known.join(", ")))
@@ -244,15 +267,15 @@ fn parse_run_at(obj: &Map<String, Value>) -> Result<Option<DateTime<Utc>>, ApiEr
     let delay = match obj.get("delay_ms") {
         None | Some(Value::Null) => None,
         Some(v) => Some(
-            v.as_u64()
-                .filter(|ms| *ms <= 366 * 24 * 3600 * 1000)
+            integer(v)
+                .filter(|ms| (0..=366 * 24 * 3600 * 1000).contains(ms))
                 .ok_or_else(|| invalid("\"delay_ms\" must be a non-negative integer of at most a year"))?,
         ),
     };
     match (run_at, delay) {
         (Some(_), Some(_)) => Err(invalid("give \"run_at\" or \"delay_ms\", not both")),
         (Some(at), None) => Ok(Some(at)),
-        (None, Some(ms)) => Ok(Some(Utc::now() + chrono::Duration::milliseconds(ms as i64))),
+        (None, Some(ms)) => Ok(Some(Utc::now() + chrono::Duration::milliseconds(ms))),
         (None, None) => Ok(None),
     }
 }
@@ -267,6 +290,8 @@ fn file_error(field: &str, e: FileRefError) -> ApiError {
     let status = match e {
         FileRefError::Shape | FileRefError::Scheme(_) => StatusCode::UNPROCESSABLE_ENTITY,
         FileRefError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        // The upload named does not exist (or is not one tern could have made).
+        FileRefError::UploadKey(_) => StatusCode::NOT_FOUND,
         _ => StatusCode::BAD_REQUEST,
     };
     ApiError::new(status, e.code(), format!("input.{field}: {e}"))
@@ -292,7 +317,8 @@ pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore, max_aud
             }
             FileRef::UploadKey(key) => {
                 if objects.size(&key).await?.is_none() {
-                    return Err(ApiError::bad_request(
+                    return Err(ApiError::new(
+                        StatusCode::NOT_FOUND,
                         "upload_not_found",
                         format!("input.{field}: nothing was uploaded under {key:?}"),
                     ));

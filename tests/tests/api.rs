@@ -138,7 +138,11 @@ async fn bad_input_gets_a_4xx_with_a_stable_code_and_nothing_is_enqueued() {
         ("non-http URL", json!({"kind": "echo", "input": {"file": {"url": "file:///etc/passwd"}}}), 422, "url_forbidden"),
         ("ftp URL", json!({"kind": "echo", "input": {"file": {"url": "ftp://example.com/a.wav"}}}), 422, "url_forbidden"),
         ("no scheme", json!({"kind": "echo", "input": {"file": {"url": "example.com/a.wav"}}}), 400, "invalid_url"),
-        ("missing upload", json!({"kind": "echo", "input": {"file": {"upload_key": "uploads/nothing-here"}}}), 400, "upload_not_found"),
+        ("URL not in ASCII", json!({"kind": "echo", "input": {"file": {"url": "https://bücher.example/a.wav"}}}), 400, "invalid_url"),
+        ("URL that does not parse", json!({"kind": "echo", "input": {"file": {"url": "http://a:99999/x"}}}), 400, "invalid_url"),
+        ("webhook URL not in ASCII", json!({"kind": "echo", "input": {}, "webhook": {"url": "https://ü.example/"}}), 422, "invalid_webhook"),
+        ("delay_ms not integral", json!({"kind": "echo", "input": {}, "delay_ms": 1.5}), 400, "invalid_request"),
+        ("missing upload", json!({"kind": "echo", "input": {"file": {"upload_key": "uploads/nothing-here"}}}), 404, "upload_not_found"),
         ("unknown field", json!({"kind": "echo", "input": {}, "colour": "red"}), 400, "invalid_request"),
         ("bad max_attempts", json!({"kind": "echo", "input": {}, "max_attempts": 0}), 400, "invalid_request"),
         ("bad run_at", json!({"kind": "echo", "input": {}, "run_at": "tomorrow"}), 400, "invalid_request"),
@@ -173,6 +177,14 @@ async fn bad_input_gets_a_4xx_with_a_stable_code_and_nothing_is_enqueued() {
     // The API is still serving.
     let (status, _) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {}})).await.unwrap();
     assert_eq!(status, 201);
+    // JSON Schema counts 3.0 as an integer, and so does the API: options and input alike.
+    let (status, job) = cluster
+        .post("/v1/jobs", &json!({"kind": "echo", "input": {"sleep_ms": 5.0}, "max_attempts": 3.0, "delay_ms": 0.0}))
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{job}");
+    assert_eq!(job["max_attempts"], 3);
+    assert_eq!(job["input"]["sleep_ms"], json!(5), "stored as an integer, for the worker's serde");
 }
 
 #[tokio::test]

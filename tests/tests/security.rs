@@ -42,7 +42,7 @@ async fn keys_scopes_and_tenants_keep_each_tenant_to_its_own_jobs() {
         .send()
         .await
         .unwrap();
-    assert_eq!(status(&r), 400, "as if the upload did not exist");
+    assert_eq!(status(&r), 404, "as if the upload did not exist");
     assert_eq!(code(&r.json().await.unwrap()), "upload_not_found");
 
     // No key, a bad key, a key without the scope.

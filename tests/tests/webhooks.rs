@@ -320,6 +320,20 @@ async fn tenant_endpoints_get_their_tenants_events_only_with_their_own_rotating_
     assert_eq!(status, 201);
     let a_secret = a_end["secret"].as_str().unwrap().to_string();
     let a_id = a_end["id"].as_str().unwrap().to_string();
+    // A tenant holds at most 20: the 21st is a conflict with what it has (409), until it
+    // deletes one.
+    let mut extra = Vec::new();
+    for _ in 1..20 {
+        let (status, end) = endpoint(b.clone(), "/v1/webhooks/endpoints".into(), json!({"url": b_url, "events": ["job.failed"]})).await;
+        assert_eq!(status, 201, "{end}");
+        extra.push(end["id"].as_str().unwrap().to_string());
+    }
+    let (status, refused) = endpoint(b.clone(), "/v1/webhooks/endpoints".into(), json!({"url": b_url})).await;
+    assert_eq!((status, refused["error"]["code"].as_str()), (409, Some("too_many_endpoints")), "{refused}");
+    for id in &extra {
+        let r = b.delete(cluster.url(&format!("/v1/webhooks/endpoints/{id}"))).send().await.unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+    }
 
     let resp = a.post(cluster.url("/v1/jobs")).json(&json!({"kind": "echo", "input": {"message": "a"}})).send().await.unwrap();
     assert_eq!(resp.status(), 201);

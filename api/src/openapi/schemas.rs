@@ -114,7 +114,8 @@ pub enum Scope {
 // Submitting jobs
 
 /// A job to run: its kind, the kind's input, and options. Unknown fields are refused (400
-/// `invalid_request`).
+/// `invalid_request`), and so is a NUL (`\u0000`) in any string or key (400 `invalid_character`:
+/// Postgres cannot store it).
 // `openapi::document` turns this into one variant per kind, each naming its kind's input schema.
 #[derive(Serialize, ToSchema)]
 pub struct JobRequest {
@@ -126,14 +127,18 @@ pub struct JobRequest {
     /// When to run (RFC 3339); the job waits as `scheduled` until then. Not with `delay_ms`.
     pub run_at: Option<DateTime<Utc>>,
     /// Milliseconds to wait before running: 0 to 31,622,400,000 (a year). Not with `run_at`.
+    #[schema(minimum = 0, maximum = 31_622_400_000_i64)]
     pub delay_ms: Option<i64>,
     /// Attempts in all, 1 to 100. Default 5.
+    #[schema(minimum = 1, maximum = 100)]
     pub max_attempts: Option<i32>,
     /// How long one attempt may run, 1 to 86,400,000 ms (24 h). Default 600,000 (10 minutes).
+    #[schema(minimum = 1, maximum = 86_400_000)]
     pub timeout_ms: Option<i64>,
     /// The client's own JSON object, at most 16 KiB serialised; returned with the job.
     pub metadata: Option<BTreeMap<String, Value>>,
     /// As the `Idempotency-Key` header (which it may not contradict), 1 to 255 characters.
+    #[schema(min_length = 1, max_length = 255)]
     pub idempotency_key: Option<String>,
     /// Where to POST the job's events (Standard Webhooks signatures). Needs a server with
     /// `TERN_WEBHOOK_SECRETS` (else 422 `webhooks_not_configured`).
@@ -152,8 +157,9 @@ pub struct BatchRequest {
 /// A job's webhook: its events are POSTed to `url`, signed per the Standard Webhooks spec.
 #[derive(Serialize, ToSchema)]
 pub struct Webhook {
-    /// An http(s) URL of at most 2,048 characters that does not point at an internal address.
-    #[schema(max_length = 2048)]
+    /// An http(s) URL of at most 2,048 printable ASCII characters (international names as
+    /// punycode) that does not point at an internal address (422 `url_forbidden`).
+    #[schema(max_length = 2048, format = "uri", pattern = r"^[hH][tT][tT][pP][sS]?://[!-~]+$")]
     pub url: String,
     /// Events wanted, at least one. Absent: every event but `job.progress`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -380,10 +386,12 @@ pub struct Replayed {
 /// `POST /v1/webhooks/endpoints`.
 #[derive(Serialize, ToSchema)]
 pub struct NewEndpoint {
-    /// An http(s) URL of at most 2,048 characters that does not point at an internal address.
-    #[schema(max_length = 2048)]
+    /// An http(s) URL of at most 2,048 printable ASCII characters (international names as
+    /// punycode) that does not point at an internal address (422 `url_forbidden`).
+    #[schema(max_length = 2048, format = "uri", pattern = r"^[hH][tT][tT][pP][sS]?://[!-~]+$")]
     pub url: String,
     /// Events to receive, at least one. Absent or null: all four.
+    #[schema(min_items = 1)]
     pub events: Option<Vec<EndpointEvent>>,
 }
 
@@ -554,7 +562,8 @@ pub struct Purged {
 // ---------------------------------------------------------------------------------------------
 // Admin: jobs
 
-/// `POST /v1/admin/jobs/retry`: failed jobs by id, or every failed job of a kind.
+/// `POST /v1/admin/jobs/retry`: failed jobs by id, or every failed job of a kind; at least one
+/// of the two (400 `nothing_to_retry`).
 #[derive(Serialize, ToSchema)]
 pub struct RetryRequest {
     /// At most 1,000.

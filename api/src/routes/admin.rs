@@ -206,7 +206,7 @@ pub struct PurgeQuery {
     tag = "admin",
     params(
         ("kind" = inline(openapi::JobKind), Path, description = "The queue's job kind"),
-        ("confirm" = Option<String>, Query, description = "The kind again; anything else is refused with 400 `confirm_required`"),
+        ("confirm" = String, Query, description = "The kind again, as `kind`: anything else (or nothing) is refused with 400 `confirm_required`"),
     ),
     responses(
         (status = 200, description = "Waiting jobs canceled; `more` when the 1,000 limit was reached", body = openapi::Purged),
@@ -298,7 +298,7 @@ pub async fn retry(State(state): State<AppState>, caller: Caller, ApiJson(req): 
         ("tenant" = Option<String>, Query, description = "Only this tenant's jobs"),
         ("state" = Option<openapi::JobState>, Query, description = "Only jobs in this state"),
         ("kind" = Option<openapi::JobKind>, Query, description = "Only jobs of this kind"),
-        ("limit" = Option<i64>, Query, description = "Jobs per page, 1 to 500; default 50"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 500, description = "Jobs per page, 1 to 500; default 50"),
         ("cursor" = Option<uuid::Uuid>, Query, description = "The previous page's `next_cursor`"),
     ),
     responses(

@@ -59,7 +59,8 @@ fn db(e: sqlx::Error) -> ApiError {
         (status = 400, description = "`invalid_json` (the body is not JSON), `invalid_body`, `invalid_character` (a NUL, `\\u0000`, anywhere in the body)", body = openapi::Error),
         (status = 413, description = "`body_too_large`: the body is larger than `TERN_MAX_BODY_BYTES`", body = openapi::Error),
         (status = 415, description = "`unsupported_media_type`: the body was not sent as `Content-Type: application/json`", body = openapi::Error),
-        (status = 422, description = "`invalid_webhook` (bad `events`, URL over 2,048 characters), `url_forbidden` (not http(s), or an internal address), `too_many_endpoints` (20 per tenant); `invalid_request`: a body of the wrong shape", body = openapi::Error),
+        (status = 422, description = "`invalid_webhook` (bad `events`, URL over 2,048 characters), `url_forbidden` (not http(s), or an internal address); `invalid_request`: a body of the wrong shape", body = openapi::Error),
+        (status = 409, description = "`too_many_endpoints`: the tenant holds 20 endpoints that are not deleted", body = openapi::Error),
     ),
     security(("bearer" = ["jobs:write"]), ("api_key" = ["jobs:write"])),
 )]
@@ -76,6 +77,9 @@ pub async fn create(State(state): State<AppState>, caller: Caller, ApiJson(req):
     if req.url.len() > 2048 {
         return Err(unprocessable("invalid_webhook", "the url is longer than 2048 characters"));
     }
+    if !req.url.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(unprocessable("invalid_webhook", "the url takes printable ASCII only: international names as punycode"));
+    }
     tern_jobs::egress::check_url_resolving(&req.url, state.allow_private_urls)
         .await
         .map_err(|e| unprocessable("url_forbidden", format!("url: {}", e.0)))?;
@@ -85,7 +89,12 @@ pub async fn create(State(state): State<AppState>, caller: Caller, ApiJson(req):
         .await
         .map_err(db)?;
     if count >= ENDPOINTS_PER_TENANT {
-        return Err(unprocessable("too_many_endpoints", format!("a tenant may register {ENDPOINTS_PER_TENANT} endpoints")));
+        // The tenant's state, not the request, is in the way: 409, as for a conflict.
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "too_many_endpoints",
+            format!("a tenant may hold {ENDPOINTS_PER_TENANT} endpoints; delete one first"),
+        ));
     }
     let id = Uuid::now_v7();
     let secret = new_secret();

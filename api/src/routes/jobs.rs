@@ -152,13 +152,14 @@ async fn replayed(state: &AppState, job: &NewJob) -> Result<Option<Job>, ApiErro
     operation_id = "submit_job",
     tag = "jobs",
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 ASCII characters, scoped to the caller's tenant. The same key with the same body returns the first request's job (200); with another body, 409 `idempotency_conflict`. Equivalent to the body's `idempotency_key`, which it may not contradict."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = "^[ -~]+$", description = "1 to 255 ASCII characters, scoped to the caller's tenant. The same key with the same body returns the first request's job (200); with another body, 409 `idempotency_conflict`. Equivalent to the body's `idempotency_key`, which it may not contradict."),
     ),
     request_body(content = openapi::JobRequest, description = "The job: its kind, the kind's input, and options."),
     responses(
         (status = 201, description = "Accepted: the new job, `queued` (or `scheduled` with a future `run_at`)", body = openapi::Job),
         (status = 200, description = "The idempotency key replayed the same request: the earlier job", body = openapi::Job),
-        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_character` (a NUL, `\\u0000`, anywhere in the body), `invalid_request` (unknown field, bad option, header and body keys differ), `unknown_kind`, `invalid_priority`, `metadata_too_large`, `invalid_url`, `invalid_base64`, `upload_not_found`", body = openapi::Error),
+        (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_character` (a NUL, `\\u0000`, anywhere in the body), `invalid_request` (unknown field, bad option, header and body keys differ), `unknown_kind`, `invalid_priority`, `metadata_too_large`, `invalid_url`, `invalid_base64`", body = openapi::Error),
+        (status = 404, description = "`upload_not_found`: no upload under the `upload_key` given, for this tenant", body = openapi::Error),
         (status = 409, description = "`idempotency_conflict`: the key was used for another request", body = openapi::Error),
         (status = 413, description = "`body_too_large` (`TERN_MAX_BODY_BYTES`), `file_too_large` (base64 over 10 MiB), `audio_too_long` (`TERN_MAX_AUDIO_SECONDS`)", body = openapi::Error),
         (status = 422, description = "`invalid_input` (the input fails its kind's schema), `invalid_webhook`, `webhooks_not_configured`, `url_forbidden`, `audio_unreadable`, `audio_empty`", body = openapi::Error),
@@ -211,6 +212,7 @@ pub async fn submit(
     responses(
         (status = 201, description = "Every job of the batch in request order; a replayed request shows its earlier job", body = openapi::JobBatch),
         (status = 400, description = "`invalid_json`, `invalid_body`, `invalid_character` (a NUL anywhere), `invalid_request` (not `{\"jobs\": [...]}`), `batch_too_large` (0 or over 1,000 jobs), or a job's own error (its message starts `jobs[i]:`)", body = openapi::Error),
+        (status = 404, description = "`upload_not_found`: a job names an upload this tenant does not have", body = openapi::Error),
         (status = 409, description = "`idempotency_conflict`: a job's key was used for another request, earlier or within this batch; no job of the batch is committed", body = openapi::Error),
         (status = 413, description = "`body_too_large`, `file_too_large`, `audio_too_long`", body = openapi::Error),
         (status = 422, description = "A job's `invalid_input`, `invalid_webhook`, `webhooks_not_configured`, `url_forbidden`, `audio_unreadable`, `audio_empty`", body = openapi::Error),
@@ -363,7 +365,7 @@ pub struct ListQuery {
     params(
         ("state" = Option<openapi::JobState>, Query, description = "Only jobs in this state"),
         ("kind" = Option<openapi::JobKind>, Query, description = "Only jobs of this kind"),
-        ("limit" = Option<i64>, Query, description = "Jobs per page, 1 to 500; default 50"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 500, description = "Jobs per page, 1 to 500; default 50"),
         ("cursor" = Option<uuid::Uuid>, Query, description = "The previous page's `next_cursor`"),
     ),
     responses(
