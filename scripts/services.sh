@@ -14,6 +14,8 @@
 #                in tests/dashboard (`npm ci`), for the dashboard test
 #   schemathesis install schemathesis (PyPI) into $TERN_STATE_DIR/schemathesis/venv, for the
 #                OpenAPI fuzz test
+#   openai       install OpenAI's Python SDK (PyPI) into $TERN_STATE_DIR/openai/venv, for the
+#                test of the OpenAI-compatible routes
 #   --print-env  after `up`, print `export TERN_...=...` lines, e.g.
 #                  eval "$(scripts/services.sh --print-env)"
 #
@@ -375,6 +377,7 @@ Usage: scripts/services.sh [up|down] [--print-env]
   down         stop the SeaweedFS server started by `up` (Postgres and Redis keep running)
   browser      install headless Chromium, Node and playwright-core (dashboard test)
   schemathesis install schemathesis into $TERN_STATE_DIR/schemathesis/venv (OpenAPI test)
+  openai       install the openai SDK into $TERN_STATE_DIR/openai/venv (OpenAI-compatible test)
   --print-env  after `up`, print the TERN_* export lines
 EOF
 }
@@ -421,11 +424,28 @@ ensure_schemathesis() {
   fi
 }
 
+readonly OPENAI_SDK_VERSION=3.57.0
+
+ensure_openai_sdk() {
+  local venv="$STATE_DIR/openai/venv" log="$STATE_DIR/openai/pip.log"
+  if [[ -x "$venv/bin/python" ]] && "$venv/bin/pip" show openai 2>/dev/null | grep -qx "Version: $OPENAI_SDK_VERSION"; then
+    return 0
+  fi
+  mkdir -p "$STATE_DIR/openai"
+  python3 -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
+  [[ -x "$venv/bin/pip" ]] || python3 -m venv "$venv" >"$log" 2>&1 || die "python3 -m venv $venv failed (log: $log)"
+  log "installing openai $OPENAI_SDK_VERSION in $venv"
+  if ! "$venv/bin/pip" install -q --disable-pip-version-check "openai==$OPENAI_SDK_VERSION" >>"$log" 2>&1; then
+    tail -n 20 "$log" >&2
+    die "pip install openai==$OPENAI_SDK_VERSION failed (log: $log)"
+  fi
+}
+
 main() {
   local cmd=up want_env=0 arg
   for arg in "$@"; do
     case "$arg" in
-      up | down | browser | schemathesis) cmd="$arg" ;;
+      up | down | browser | schemathesis | openai) cmd="$arg" ;;
       --print-env) want_env=1 ;;
       -h | --help)
         usage
@@ -464,6 +484,9 @@ main() {
       ;;
     schemathesis)
       ensure_schemathesis
+      ;;
+    openai)
+      ensure_openai_sdk
       ;;
   esac
 }

@@ -14,6 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/services.sh up
 bash scripts/services.sh browser
 bash scripts/services.sh schemathesis
+bash scripts/services.sh openai
 bash scripts/models.sh --all
 # shellcheck source=env.sh
 . scripts/env.sh

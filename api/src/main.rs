@@ -5,6 +5,7 @@ mod auth;
 mod error;
 mod extract;
 mod middleware;
+mod openai;
 mod openapi;
 mod routes;
 mod state;
@@ -73,6 +74,10 @@ struct ServeArgs {
     /// Largest request body in bytes (base64 files count: 10 MiB of file is ~13.4 MiB of body).
     #[arg(long, env = "TERN_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Largest audio file the OpenAI-compatible `/v1/audio/*` routes take in one multipart
+    /// request, bytes (it is stored as an upload, then transcribed as any other).
+    #[arg(long, env = "TERN_MAX_AUDIO_UPLOAD_BYTES", default_value_t = 512 * 1024 * 1024)]
+    max_audio_upload_bytes: usize,
     /// Webhook signing secrets, comma-separated `whsec_<base64>` (Standard Webhooks); the first
     /// is current, all sign during a rotation. Unset: jobs cannot name a webhook.
     #[arg(long, env = "TERN_WEBHOOK_SECRETS", value_parser = webhooks::signature::Signer::parse, hide_env_values = true)]
@@ -168,6 +173,7 @@ async fn main() -> anyhow::Result<()> {
         limits: Limits {
             max_queued: args.max_queued,
             max_body_bytes: args.max_body_bytes,
+            max_audio_upload_bytes: args.max_audio_upload_bytes,
             max_audio_seconds: args.services.max_audio_seconds,
             rate: (args.rate_limit_per_sec > 0.0).then_some(auth::RateLimit {
                 per_second: args.rate_limit_per_sec,

@@ -25,6 +25,8 @@ pub struct Limits {
     pub max_queued: u64,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
+    /// Largest multipart audio upload of `/v1/audio/*`, bytes.
+    pub max_audio_upload_bytes: usize,
     /// Longest audio a job may bring, seconds.
     pub max_audio_seconds: f64,
     /// Per-key request rate; `None`: unlimited.

@@ -179,21 +179,46 @@ pub async fn submit(
 ) -> Result<Response, ApiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
     let value = crate::extract::json_value(body)?;
-    let Submission { mut job } = submission::parse(&value, idempotency_header(&headers)?)?;
-    job.tenant = tenant.clone();
-    submission::check_upload_tenant(&job, &tenant)?;
-    if let Some(existing) = replayed(&state, &job).await? {
-        return Ok((StatusCode::OK, Json(job_view(&state, &existing, true).await?)).into_response());
+    match create(&state, &tenant, &value, idempotency_header(&headers)?).await? {
+        Created::New(job) => Ok((StatusCode::CREATED, Json(job_view(&state, &job, false).await?)).into_response()),
+        Created::Replayed(job) => Ok((StatusCode::OK, Json(job_view(&state, &job, true).await?)).into_response()),
     }
-    admit(&state, &tenant, std::slice::from_ref(&job)).await?;
+}
+
+/// What [`create`] did.
+pub enum Created {
+    New(Job),
+    /// The idempotency key named an earlier request with the same body: its job.
+    Replayed(Job),
+}
+
+impl Created {
+    pub fn job(&self) -> &Job {
+        match self {
+            Created::New(job) | Created::Replayed(job) => job,
+        }
+    }
+}
+
+/// One job request of `tenant` checked, admitted, its files stored, inserted and enqueued, as
+/// `POST /v1/jobs` takes it; the OpenAI-compatible routes come in here too. `header_key` is
+/// the `Idempotency-Key` header.
+pub async fn create(state: &AppState, tenant: &str, value: &Value, header_key: Option<&str>) -> Result<Created, ApiError> {
+    let Submission { mut job } = submission::parse(value, header_key)?;
+    job.tenant = tenant.to_string();
+    submission::check_upload_tenant(&job, tenant)?;
+    if let Some(existing) = replayed(state, &job).await? {
+        return Ok(Created::Replayed(existing));
+    }
+    admit(state, tenant, std::slice::from_ref(&job)).await?;
     submission::check_urls(&job, state.allow_private_urls).await?;
     submission::store_inline_files(&mut job, &state.objects, state.limits.max_audio_seconds).await?;
-    let inserted = insert_and_enqueue(&state, std::slice::from_ref(&job)).await?;
-    match inserted.first() {
-        Some(created) => Ok((StatusCode::CREATED, Json(job_view(&state, created, false).await?)).into_response()),
+    let inserted = insert_and_enqueue(state, std::slice::from_ref(&job)).await?;
+    match inserted.into_iter().next() {
+        Some(created) => Ok(Created::New(created)),
         // Lost a race with a concurrent request carrying the same key.
-        None => match replayed(&state, &job).await? {
-            Some(existing) => Ok((StatusCode::OK, Json(job_view(&state, &existing, true).await?)).into_response()),
+        None => match replayed(state, &job).await? {
+            Some(existing) => Ok(Created::Replayed(existing)),
             None => Err(ApiError::new(StatusCode::CONFLICT, "idempotency_conflict", "retry the request")),
         },
     }

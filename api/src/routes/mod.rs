@@ -65,6 +65,8 @@ pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
     let max_body = state.limits.max_body_bytes;
     let (documented, _) = api().split_for_parts();
     documented
+        // OpenAI's routes, as its own API reference describes them: not in this document.
+        .merge(crate::openai::router(state.limits.max_audio_upload_bytes))
         // The dashboard's static files are a page, not API: they stay out of the document.
         .route("/admin", get(dashboard::index))
         .route("/admin/app.js", get(dashboard::script))

@@ -1,0 +1,276 @@
+//! `POST /v1/audio/transcriptions` and `/v1/audio/translations`: multipart audio of any length
+//! the transcribe kind accepts (`TERN_MAX_AUDIO_SECONDS`, `TERN_MAX_AUDIO_UPLOAD_BYTES`), not
+//! OpenAI's 25 MB. The file is stored as an upload, then transcribed as a `transcribe` job.
+
+use super::{sse_data, OpenAiError, Waited};
+use crate::auth::Caller;
+use crate::state::AppState;
+use axum::extract::{Multipart, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use tern_jobs::file_ref::UPLOAD_PREFIX;
+use uuid::Uuid;
+
+/// What a `response_format` asks for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Json,
+    Text,
+    Srt,
+    Vtt,
+    VerboseJson,
+}
+
+impl Format {
+    fn parse(s: &str) -> Result<Format, OpenAiError> {
+        Ok(match s {
+            "json" => Format::Json,
+            "text" => Format::Text,
+            "srt" => Format::Srt,
+            "vtt" => Format::Vtt,
+            "verbose_json" => Format::VerboseJson,
+            other => {
+                return Err(OpenAiError::invalid(
+                    "invalid_response_format",
+                    format!("response_format {other:?}: use json, text, srt, vtt or verbose_json"),
+                    "response_format",
+                ))
+            }
+        })
+    }
+}
+
+/// A transcription request's fields.
+struct Request {
+    file: Bytes,
+    language: Option<String>,
+    format: Format,
+    stream: bool,
+}
+
+fn unsupported(param: &'static str, message: impl Into<String>) -> OpenAiError {
+    OpenAiError::invalid("unsupported_parameter", message, param)
+}
+
+/// Reads the multipart form; refuses what tern cannot honour rather than ignoring it.
+async fn read(mut form: Multipart) -> Result<Request, OpenAiError> {
+    let bad_form = |e: axum::extract::multipart::MultipartError| {
+        let status = e.status();
+        OpenAiError { status, code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None }
+    };
+    let mut file = None;
+    let (mut language, mut format, mut stream) = (None, Format::Json, false);
+    let mut word_timestamps = false;
+    while let Some(field) = form.next_field().await.map_err(bad_form)? {
+        let name = field.name().unwrap_or_default().to_string();
+        if name == "file" {
+            file = Some(field.bytes().await.map_err(bad_form)?);
+            continue;
+        }
+        let value = field.text().await.map_err(bad_form)?;
+        match name.as_str() {
+            // Any model name: the workers' Whisper model runs (its name is in verbose_json).
+            "model" => {}
+            "language" if !value.is_empty() => language = Some(value),
+            "response_format" => format = Format::parse(&value)?,
+            "stream" => stream = value == "true",
+            "temperature" => {
+                let t: f64 = value.parse().map_err(|_| OpenAiError::invalid("invalid_temperature", "temperature must be a number", "temperature"))?;
+                if t != 0.0 {
+                    return Err(unsupported("temperature", "tern decodes greedily: temperature must be 0"));
+                }
+            }
+            "prompt" if !value.is_empty() => {
+                return Err(unsupported("prompt", "tern does not condition transcription on a prompt yet"));
+            }
+            "timestamp_granularities[]" | "timestamp_granularities" => match value.as_str() {
+                "segment" => {}
+                "word" => word_timestamps = true,
+                other => return Err(OpenAiError::invalid("invalid_timestamp_granularity", format!("{other:?}: use segment or word"), "timestamp_granularities")),
+            },
+            _ => {}
+        }
+    }
+    if word_timestamps {
+        return Err(unsupported("timestamp_granularities", "tern gives segment timestamps only, not word timestamps yet"));
+    }
+    let file = file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))?;
+    if stream && format != Format::Json && format != Format::Text {
+        return Err(unsupported("stream", "streamed transcripts are text: response_format json or text"));
+    }
+    Ok(Request { file, language, format, stream })
+}
+
+/// Transcribe audio.
+pub async fn transcriptions(state: State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart) -> Result<Response, OpenAiError> {
+    run(state, caller, headers, form, "transcribe").await
+}
+
+/// Translate audio into English text.
+pub async fn translations(state: State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart) -> Result<Response, OpenAiError> {
+    run(state, caller, headers, form, "translate").await
+}
+
+async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart, task: &str) -> Result<Response, OpenAiError> {
+    let tenant = caller.require("jobs:write")?.tenant.clone();
+    let request = read(form).await?;
+    let key = format!("{UPLOAD_PREFIX}{}/{}", crate::routes::uploads::tenant_segment(&tenant), Uuid::now_v7());
+    state.objects.put(&key, request.file, "application/octet-stream").await.map_err(crate::error::ApiError::from)?;
+    let mut input = json!({ "audio": { "upload_key": key }, "task": task });
+    if let Some(language) = &request.language {
+        input["language"] = json!(language);
+    }
+    let mut waited = Waited::submit(&state, &tenant, json!({ "kind": "transcribe", "input": input }), &headers).await?;
+    let job_header = waited.header();
+    if request.stream {
+        // The transcript comes segment by segment once the job finished; comments keep the
+        // connection open meanwhile. Dropped early (the client left), the stream drops
+        // `waited`, which cancels the job.
+        let events = futures::stream::once(async move {
+            let job = waited.finished().await?;
+            let output = waited.output(&job).await?;
+            Ok::<_, OpenAiError>(stream_events(&output))
+        })
+        .flat_map(|result| {
+            let events = result.unwrap_or_else(|e| vec![sse_data(&json!({ "type": "error", "error": { "code": e.code, "message": e.message } }))]);
+            futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>))
+        });
+        return Ok(([job_header], Sse::new(events).keep_alive(KeepAlive::default())).into_response());
+    }
+    let job = waited.finished().await?;
+    let output = waited.output(&job).await?;
+    let text = output["text"].as_str().unwrap_or_default().trim().to_string();
+    let plain = |body: String, content_type: &'static str| {
+        (StatusCode::OK, [job_header.clone(), (header::CONTENT_TYPE, content_type.parse().expect("a content type"))], body).into_response()
+    };
+    Ok(match request.format {
+        Format::Json => ([job_header], Json(json!({ "text": text, "usage": usage(&output) }))).into_response(),
+        Format::Text => plain(format!("{text}\n"), "text/plain; charset=utf-8"),
+        Format::Srt => plain(subtitles(&output, false), "application/x-subrip; charset=utf-8"),
+        Format::Vtt => plain(subtitles(&output, true), "text/vtt; charset=utf-8"),
+        Format::VerboseJson => ([job_header], Json(verbose(&output, task, &text))).into_response(),
+    })
+}
+
+/// Billing as OpenAI reports it for Whisper: seconds of audio.
+fn usage(output: &Value) -> Value {
+    json!({ "type": "duration", "seconds": output["duration"].as_f64().unwrap_or(0.0).ceil() as u64 })
+}
+
+fn segments(output: &Value) -> &[Value] {
+    output["segments"].as_array().map_or(&[], Vec::as_slice)
+}
+
+/// `verbose_json`: the text with its language, duration and timed segments.
+fn verbose(output: &Value, task: &str, text: &str) -> Value {
+    let segments: Vec<Value> = segments(output)
+        .iter()
+        .enumerate()
+        .map(|(id, s)| json!({ "id": id, "seek": 0, "start": s["start"], "end": s["end"], "text": s["text"], "tokens": [], "temperature": 0.0 }))
+        .collect();
+    json!({
+        "task": task,
+        "language": output["language"],
+        "duration": output["duration"],
+        "text": text,
+        "segments": segments,
+        "usage": usage(output),
+    })
+}
+
+/// SRT (`00:00:01,500`) or WebVTT (`00:00:01.500`, with its header) from the segments.
+fn subtitles(output: &Value, vtt: bool) -> String {
+    let stamp = |seconds: f64| {
+        let ms = (seconds.max(0.0) * 1000.0).round() as u64;
+        let (h, m, s, ms) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000);
+        if vtt {
+            format!("{h:02}:{m:02}:{s:02}.{ms:03}")
+        } else {
+            format!("{h:02}:{m:02}:{s:02},{ms:03}")
+        }
+    };
+    let mut out = String::from(if vtt { "WEBVTT\n\n" } else { "" });
+    for (i, s) in segments(output).iter().enumerate() {
+        let (start, end) = (s["start"].as_f64().unwrap_or(0.0), s["end"].as_f64().unwrap_or(0.0));
+        let text = s["text"].as_str().unwrap_or_default().trim();
+        if !vtt {
+            out.push_str(&format!("{}\n", i + 1));
+        }
+        out.push_str(&format!("{} --> {}\n{text}\n\n", stamp(start), stamp(end)));
+    }
+    out
+}
+
+/// OpenAI's transcript stream: a `transcript.text.delta` per segment, then
+/// `transcript.text.done` with the whole text, which the deltas add up to.
+fn stream_events(output: &Value) -> Vec<axum::response::sse::Event> {
+    let text = output["text"].as_str().unwrap_or_default().trim();
+    let mut events: Vec<_> =
+        deltas(text, output).into_iter().map(|delta| sse_data(&json!({ "type": "transcript.text.delta", "delta": delta }))).collect();
+    events.push(sse_data(&json!({ "type": "transcript.text.done", "text": text, "usage": usage(output) })));
+    events
+}
+
+/// `text` cut where each segment's text ends in it (the spaces between them go with the next
+/// segment), so that the pieces add up to `text` exactly.
+fn deltas<'a>(text: &'a str, output: &Value) -> Vec<&'a str> {
+    let (mut pieces, mut at) = (Vec::new(), 0);
+    for segment in segments(output).iter().filter_map(|s| s["text"].as_str()).map(str::trim).filter(|s| !s.is_empty()) {
+        if let Some(found) = text[at..].find(segment) {
+            let end = at + found + segment.len();
+            pieces.push(&text[at..end]);
+            at = end;
+        }
+    }
+    if at < text.len() {
+        pieces.push(&text[at..]);
+    }
+    pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn output() -> Value {
+        json!({ "text": " Hello there. General Kenobi.", "language": "en", "duration": 3723.25, "segments": [
+            { "start": 0.0, "end": 1.5, "text": " Hello there." },
+            { "start": 3722.0, "end": 3723.25, "text": " General Kenobi." },
+        ]})
+    }
+
+    #[test]
+    fn srt_numbers_cues_and_uses_commas() {
+        assert_eq!(
+            subtitles(&output(), false),
+            "1\n00:00:00,000 --> 00:00:01,500\nHello there.\n\n2\n01:02:02,000 --> 01:02:03,250\nGeneral Kenobi.\n\n"
+        );
+    }
+
+    #[test]
+    fn vtt_has_its_header_and_uses_dots() {
+        let vtt = subtitles(&output(), true);
+        assert!(vtt.starts_with("WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nHello there.\n"), "{vtt}");
+    }
+
+    #[test]
+    fn stream_deltas_add_up_to_the_text() {
+        let text = "Hello there. General Kenobi.";
+        assert_eq!(deltas(text, &output()), vec!["Hello there.", " General Kenobi."]);
+        let odd = json!({ "segments": [{ "text": "not in it" }, { "text": "there." }] });
+        assert_eq!(deltas(text, &odd).concat(), text);
+    }
+
+    #[test]
+    fn usage_counts_whole_seconds_and_verbose_json_numbers_segments() {
+        assert_eq!(usage(&output()), json!({ "type": "duration", "seconds": 3724 }));
+        let v = verbose(&output(), "transcribe", "Hello there. General Kenobi.");
+        assert_eq!(v["segments"][1]["id"], 1);
+        assert_eq!(v["segments"][1]["end"], 3723.25);
+    }
+}

@@ -1,0 +1,326 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions` as `generate` jobs, with `stream`
+//! (`chat.completion.chunk` / `text_completion` server-sent events as the worker reports the
+//! text, then `[DONE]`; a usage chunk first when `stream_options.include_usage`).
+
+use super::{sse_data, unix_seconds, OpenAiError, Waited};
+use crate::auth::Caller;
+use crate::state::AppState;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::StreamExt;
+use serde_json::{json, Map, Value};
+use std::time::Duration;
+
+/// How often a stream looks for new text.
+const STREAM_POLL: Duration = Duration::from_millis(100);
+
+/// Chat or plain completion.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Flavour {
+    Chat,
+    Text,
+}
+
+impl Flavour {
+    fn id(self, job: uuid::Uuid) -> String {
+        match self {
+            Flavour::Chat => format!("chatcmpl-{}", job.simple()),
+            Flavour::Text => format!("cmpl-{}", job.simple()),
+        }
+    }
+}
+
+fn unsupported(param: &'static str, message: impl Into<String>) -> OpenAiError {
+    OpenAiError::invalid("unsupported_parameter", message, param)
+}
+
+fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
+    OpenAiError::invalid("invalid_request", message, param)
+}
+
+/// The generate input for a request: messages or prompt, and the sampling options.
+/// Refuses what tern cannot honour (`n` > 1, tools, log-probabilities, penalties, JSON mode)
+/// rather than ignoring it.
+fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, OpenAiError> {
+    let mut input = Map::new();
+    match flavour {
+        Flavour::Chat => {
+            let messages = body.get("messages").and_then(Value::as_array).ok_or_else(|| invalid("messages", "\"messages\" must be an array"))?;
+            let mut out = Vec::with_capacity(messages.len());
+            for m in messages {
+                let role = match m["role"].as_str() {
+                    Some("system" | "developer") => "system",
+                    Some("user") => "user",
+                    Some("assistant") => "assistant",
+                    other => return Err(unsupported("messages", format!("message role {other:?}: tern takes system, developer, user and assistant"))),
+                };
+                out.push(json!({ "role": role, "content": content_text(&m["content"])? }));
+            }
+            input.insert("messages".into(), json!(out));
+        }
+        Flavour::Text => {
+            let prompt = match body.get("prompt") {
+                Some(Value::String(p)) => p.clone(),
+                Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => items[0].as_str().unwrap_or_default().to_string(),
+                Some(Value::Array(_)) => return Err(unsupported("prompt", "one prompt per request: give a string")),
+                _ => return Err(invalid("prompt", "\"prompt\" must be a string")),
+            };
+            input.insert("prompt".into(), json!(prompt));
+        }
+    }
+    let max = body.get("max_completion_tokens").or_else(|| body.get("max_tokens")).filter(|v| !v.is_null());
+    if let Some(max) = max {
+        input.insert("max_tokens".into(), max.clone());
+    }
+    for field in ["temperature", "top_p", "seed"] {
+        if let Some(v) = body.get(field).filter(|v| !v.is_null()) {
+            input.insert(field.into(), v.clone());
+        }
+    }
+    match body.get("stop") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => {
+            input.insert("stop".into(), json!([s]));
+        }
+        Some(stop) => {
+            input.insert("stop".into(), stop.clone());
+        }
+    }
+    if body.get("n").is_some_and(|n| !n.is_null() && n.as_f64() != Some(1.0)) {
+        return Err(unsupported("n", "one choice per request: n must be 1"));
+    }
+    for field in ["tools", "functions", "tool_choice", "function_call"] {
+        if body.get(field).is_some_and(|v| !v.is_null()) {
+            return Err(unsupported("tools", "tern's models do not call tools"));
+        }
+    }
+    if body.get("logprobs").is_some_and(|v| v.as_bool() == Some(true) || v.is_number()) {
+        return Err(unsupported("logprobs", "tern does not return log-probabilities"));
+    }
+    for field in ["presence_penalty", "frequency_penalty"] {
+        if body.get(field).is_some_and(|v| v.as_f64().is_some_and(|p| p != 0.0)) {
+            return Err(unsupported(if field == "presence_penalty" { "presence_penalty" } else { "frequency_penalty" }, format!("tern does not apply {field}")));
+        }
+    }
+    if body.get("response_format").is_some_and(|f| !f.is_null() && f["type"] != "text") {
+        return Err(unsupported("response_format", "tern generates text only: response_format must be {\"type\": \"text\"}"));
+    }
+    Ok(Value::Object(input))
+}
+
+/// A message's content: a string, or text parts (`[{"type": "text", "text": ...}]`).
+fn content_text(content: &Value) -> Result<String, OpenAiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
+                (Some("text"), Some(t)) => Ok(t),
+                _ => Err(unsupported("messages", "tern's models read text parts only")),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|texts| texts.concat()),
+        _ => Err(invalid("messages", "a message's content is a string or an array of text parts")),
+    }
+}
+
+/// Chat completion.
+pub async fn chat_completions(state: State<AppState>, caller: Caller, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, OpenAiError> {
+    complete(state, caller, headers, body, Flavour::Chat).await
+}
+
+/// Text completion (legacy).
+pub async fn completions(state: State<AppState>, caller: Caller, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, OpenAiError> {
+    complete(state, caller, headers, body, Flavour::Text).await
+}
+
+async fn complete(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    flavour: Flavour,
+) -> Result<Response, OpenAiError> {
+    let tenant = caller.require("jobs:write")?.tenant.clone();
+    let value = crate::extract::json_value(body)?;
+    let body = value.as_object().ok_or_else(|| invalid("body", "the body must be a JSON object"))?;
+    let input = generate_input(body, flavour)?;
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let mut waited = Waited::submit(&state, &tenant, json!({ "kind": "generate", "input": input }), &headers).await?;
+    let job_header = waited.header();
+    if stream {
+        let model = body.get("model").cloned().unwrap_or(Value::Null);
+        let streamed = Streamed { state: state.clone(), waited, flavour, model, sent: 0, include_usage, done: false };
+        let events = futures::stream::unfold(streamed, |mut s| async move {
+            if s.done {
+                return None;
+            }
+            let events = s.next_events().await;
+            Some((futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>)), s))
+        })
+        .flatten();
+        return Ok(([job_header], Sse::new(events).keep_alive(KeepAlive::default())).into_response());
+    }
+    let job = waited.finished().await?;
+    let output = waited.output(&job).await?;
+    let (id, created, model) = (flavour.id(job.id), unix_seconds(job.created_at), output["model"].clone());
+    let text = output["text"].clone();
+    let finish_reason = output["finish_reason"].clone();
+    let choice = match flavour {
+        Flavour::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text, "refusal": null }, "finish_reason": finish_reason, "logprobs": null }),
+        Flavour::Text => json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null }),
+    };
+    let object = if flavour == Flavour::Chat { "chat.completion" } else { "text_completion" };
+    Ok(([job_header], Json(json!({
+        "id": id, "object": object, "created": created, "model": model,
+        "choices": [choice], "usage": usage(&output), "system_fingerprint": null,
+    })))
+    .into_response())
+}
+
+fn usage(output: &Value) -> Value {
+    let (prompt, completion) = (output["usage"]["prompt_tokens"].as_u64().unwrap_or(0), output["usage"]["completion_tokens"].as_u64().unwrap_or(0));
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+}
+
+/// A streamed completion: the text the worker reports as it generates, as chunks.
+struct Streamed {
+    state: AppState,
+    /// Dropped with the stream when the client leaves: the job is canceled.
+    waited: Waited,
+    flavour: Flavour,
+    /// The model the request named, for chunks sent before the worker's output names its own.
+    model: Value,
+    /// Bytes of text sent so far.
+    sent: usize,
+    include_usage: bool,
+    done: bool,
+}
+
+impl Streamed {
+    fn chunk(&self, created: i64, model: &Value, delta: Option<&str>, finish_reason: Value, first: bool) -> Event {
+        let choice = match self.flavour {
+            Flavour::Chat => {
+                let mut delta_obj = json!({});
+                if first {
+                    delta_obj["role"] = json!("assistant");
+                }
+                if let Some(d) = delta {
+                    delta_obj["content"] = json!(d);
+                }
+                json!({ "index": 0, "delta": delta_obj, "finish_reason": finish_reason, "logprobs": null })
+            }
+            Flavour::Text => json!({ "index": 0, "text": delta.unwrap_or(""), "finish_reason": finish_reason, "logprobs": null }),
+        };
+        let object = if self.flavour == Flavour::Chat { "chat.completion.chunk" } else { "text_completion" };
+        sse_data(&json!({
+            "id": self.flavour.id(self.waited.id), "object": object, "created": created, "model": model,
+            "choices": [choice], "system_fingerprint": null,
+        }))
+    }
+
+    /// The next events: new text as it comes, or the end of the stream.
+    async fn next_events(&mut self) -> Vec<Event> {
+        loop {
+            let job = match self.waited.job().await {
+                Ok(job) => job,
+                Err(e) => return self.fail(e),
+            };
+            let created = unix_seconds(job.created_at);
+            if job.state.is_terminal() {
+                let _ = self.waited.finished().await;
+                let output = match self.waited.output(&job).await {
+                    Ok(output) => output,
+                    Err(e) => return self.fail(e),
+                };
+                let model = output["model"].clone();
+                let text = output["text"].as_str().unwrap_or_default();
+                let mut events = Vec::new();
+                let first = self.sent == 0;
+                // The final text may end before text already sent (a stop sequence trimmed
+                // it): nothing more is sent then.
+                if let Some(rest) = text.get(self.sent..).filter(|r| !r.is_empty()) {
+                    events.push(self.chunk(created, &model, Some(rest), Value::Null, first));
+                }
+                events.push(self.chunk(created, &model, None, output["finish_reason"].clone(), first && events.is_empty()));
+                if self.include_usage {
+                    let object = if self.flavour == Flavour::Chat { "chat.completion.chunk" } else { "text_completion" };
+                    events.push(sse_data(&json!({
+                        "id": self.flavour.id(job.id), "object": object, "created": created, "model": model,
+                        "choices": [], "usage": usage(&output),
+                    })));
+                }
+                events.push(Event::default().data("[DONE]"));
+                self.done = true;
+                return events;
+            }
+            let progress = self.state.queue.progress(job.kind, job.id).await.ok().flatten();
+            if let Some(text) = progress.and_then(|p| p.text) {
+                // Only whole characters: the worker's text is UTF-8 and grows at its end.
+                if let Some(delta) = text.get(self.sent..).filter(|d| !d.is_empty()) {
+                    let first = self.sent == 0;
+                    self.sent = text.len();
+                    return vec![self.chunk(created, &self.model, Some(delta), Value::Null, first)];
+                }
+            }
+            tokio::time::sleep(STREAM_POLL).await;
+        }
+    }
+
+    fn fail(&mut self, e: OpenAiError) -> Vec<Event> {
+        self.done = true;
+        vec![sse_data(&json!({ "error": { "message": e.message, "type": "server_error", "param": null, "code": e.code } }))]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn chat_requests_become_generate_inputs() {
+        let input = generate_input(
+            &body(json!({
+                "model": "anything", "max_completion_tokens": 12, "temperature": 0, "stop": "\n", "seed": 3,
+                "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            })),
+            Flavour::Chat,
+        )
+        .unwrap();
+        assert_eq!(
+            input,
+            json!({
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                "max_tokens": 12, "temperature": 0, "seed": 3, "stop": ["\n"],
+            })
+        );
+    }
+
+    #[test]
+    fn what_tern_cannot_honour_is_refused_by_name() {
+        let chat = |extra: Value| {
+            let mut b = body(json!({"messages": [{"role": "user", "content": "Hi"}]}));
+            b.extend(body(extra));
+            generate_input(&b, Flavour::Chat).err().map(|e| (e.code, e.param))
+        };
+        assert_eq!(chat(json!({"n": 2})), Some(("unsupported_parameter".into(), Some("n"))));
+        assert_eq!(chat(json!({"n": 1})), None);
+        assert_eq!(chat(json!({"tools": [{"type": "function"}]})), Some(("unsupported_parameter".into(), Some("tools"))));
+        assert_eq!(chat(json!({"logprobs": true})), Some(("unsupported_parameter".into(), Some("logprobs"))));
+        assert_eq!(chat(json!({"presence_penalty": 0.5})), Some(("unsupported_parameter".into(), Some("presence_penalty"))));
+        assert_eq!(chat(json!({"response_format": {"type": "json_object"}})), Some(("unsupported_parameter".into(), Some("response_format"))));
+        let prompts = generate_input(&body(json!({"prompt": ["a", "b"]})), Flavour::Text).err().map(|e| e.param);
+        assert_eq!(prompts, Some(Some("prompt")));
+    }
+}

@@ -1,0 +1,248 @@
+//! OpenAI-compatible routes, so that code written against OpenAI's API (its SDKs, LangChain,
+//! LiteLLM) runs on tern unchanged: `POST /v1/audio/transcriptions`, `/v1/audio/translations`,
+//! `/v1/embeddings`, `/v1/chat/completions`, `/v1/completions`, and `GET /v1/models`.
+//!
+//! Each request is a job like any other: the same API keys (`Authorization: Bearer`), checks,
+//! tenant limits, queue, priority (`X-Tern-Priority`, default `normal`), metrics and timeline.
+//! The request waits for its job; a client that hangs up before it finishes cancels it. The
+//! `X-Tern-Job-Id` response header names the job. Errors take OpenAI's shape,
+//! `{"error": {"message", "type", "param", "code"}}`, with tern's stable codes as `code`.
+//!
+//! These routes follow OpenAI's own API reference, so `/openapi.json` leaves them out.
+
+pub mod audio;
+pub mod chat;
+pub mod embeddings;
+pub mod models;
+
+use crate::error::ApiError;
+use crate::routes::jobs::{self, Created};
+use crate::state::AppState;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::time::Duration;
+use tern_jobs::{Job, JobState};
+use uuid::Uuid;
+
+/// The routes. `max_audio_upload` bounds the multipart body of the audio routes.
+pub fn router(max_audio_upload: usize) -> Router<AppState> {
+    Router::new()
+        .route(
+            "/v1/audio/transcriptions",
+            post(audio::transcriptions).layer(DefaultBodyLimit::max(max_audio_upload)),
+        )
+        .route("/v1/audio/translations", post(audio::translations).layer(DefaultBodyLimit::max(max_audio_upload)))
+        .route("/v1/embeddings", post(embeddings::create))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(chat::completions))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{id}", get(models::get))
+        .layer(axum::middleware::from_fn(openai_errors))
+}
+
+/// An error in OpenAI's shape.
+#[derive(Debug)]
+pub struct OpenAiError {
+    pub status: StatusCode,
+    pub code: String,
+    pub message: String,
+    /// The request field at fault, when one is.
+    pub param: Option<&'static str>,
+}
+
+impl OpenAiError {
+    pub fn invalid(code: &str, message: impl Into<String>, param: &'static str) -> Self {
+        OpenAiError { status: StatusCode::BAD_REQUEST, code: code.into(), message: message.into(), param: Some(param) }
+    }
+}
+
+impl From<ApiError> for OpenAiError {
+    fn from(e: ApiError) -> Self {
+        OpenAiError { status: e.status, code: e.code.into(), message: e.message, param: None }
+    }
+}
+
+/// OpenAI's `type` for a status.
+fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        429 => "rate_limit_error",
+        s if s >= 500 => "server_error",
+        _ => "invalid_request_error",
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        let body = json!({ "error": {
+            "message": self.message,
+            "type": error_type(self.status),
+            "param": self.param,
+            "code": self.code,
+        }});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// Rewrites tern's error bodies (`{"error": {"code", "message", "request_id"}}`, from the key
+/// check, the rate limit, body limits and the job checks) into OpenAI's shape.
+async fn openai_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    if response.status().is_success() {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 256 * 1024).await else {
+        return Response::from_parts(parts, Body::empty());
+    };
+    let tern_shape = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .filter(|v| v["error"]["code"].is_string() && v["error"].get("type").is_none());
+    let Some(v) = tern_shape else {
+        return Response::from_parts(parts, Body::from(bytes));
+    };
+    let body = json!({ "error": {
+        "message": v["error"]["message"],
+        "type": error_type(parts.status),
+        "param": Value::Null,
+        "code": v["error"]["code"],
+    }});
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(body.to_string()))
+}
+
+/// The priority a request asks for with `X-Tern-Priority` (OpenAI's API has none).
+fn priority(headers: &HeaderMap) -> Result<Option<String>, OpenAiError> {
+    let Some(value) = headers.get("x-tern-priority") else { return Ok(None) };
+    let value = value.to_str().unwrap_or_default();
+    value.parse::<tern_jobs::Priority>().map_err(|()| {
+        OpenAiError::invalid("invalid_priority", format!("X-Tern-Priority {value:?}: use urgent, high, normal or low"), "X-Tern-Priority")
+    })?;
+    Ok(Some(value.to_string()))
+}
+
+/// A job submitted for a request that waits for it: dropped before it finished (the client
+/// hung up), it cancels the job.
+pub struct Waited {
+    state: AppState,
+    pub id: Uuid,
+    /// Only a job this request made is canceled with it, not one an idempotency key replayed.
+    owned: bool,
+    finished: bool,
+}
+
+impl Waited {
+    /// Submits the job request `value` (`POST /v1/jobs`'s body) for `tenant`, with the
+    /// priority `headers` ask for and their `Idempotency-Key`.
+    pub async fn submit(state: &AppState, tenant: &str, mut value: Value, headers: &HeaderMap) -> Result<Waited, OpenAiError> {
+        if let Some(p) = priority(headers)? {
+            value["priority"] = json!(p);
+        }
+        let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+        let created = jobs::create(state, tenant, &value, key).await?;
+        let owned = matches!(created, Created::New(_));
+        Ok(Waited { state: state.clone(), id: created.job().id, owned, finished: false })
+    }
+
+    /// The job now.
+    pub async fn job(&self) -> Result<Job, OpenAiError> {
+        Ok(self.state.store.get(self.id).await.map_err(ApiError::from)?.ok_or_else(ApiError::not_found)?)
+    }
+
+    /// Waits for the job's final state; checks every 50 ms at first, then at most every 250 ms.
+    pub async fn finished(&mut self) -> Result<Job, OpenAiError> {
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let job = self.job().await?;
+            if job.state.is_terminal() {
+                self.finished = true;
+                return Ok(job);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 3 / 2).min(Duration::from_millis(250));
+        }
+    }
+
+    /// The succeeded job's output JSON (inline, or read from object storage); a failed or
+    /// canceled job's error.
+    pub async fn output(&self, job: &Job) -> Result<Value, OpenAiError> {
+        output(&self.state, job).await
+    }
+
+    /// The job's id as the `X-Tern-Job-Id` header.
+    pub fn header(&self) -> (header::HeaderName, HeaderValue) {
+        (header::HeaderName::from_static("x-tern-job-id"), HeaderValue::from_str(&self.id.to_string()).expect("a uuid"))
+    }
+}
+
+impl Drop for Waited {
+    fn drop(&mut self) {
+        if self.finished || !self.owned {
+            return;
+        }
+        let (state, id) = (self.state.clone(), self.id);
+        tokio::spawn(async move {
+            match jobs::cancel_job(&state, id).await {
+                Ok(_) => tracing::info!(job = %id, "the client hung up: its job is canceled"),
+                Err(e) => tracing::debug!(job = %id, code = e.code, "the client hung up as its job finished"),
+            }
+        });
+    }
+}
+
+/// Job failures that are the request's fault: 400, not 500.
+const CLIENT_FAULTS: &[&str] = &[
+    "audio_unreadable",
+    "audio_empty",
+    "audio_too_long",
+    "invalid_input",
+    "file_unreachable",
+    "file_unreadable",
+    "file_too_large",
+    "url_forbidden",
+];
+
+/// A finished job's output, or its failure as an error.
+pub async fn output(state: &AppState, job: &Job) -> Result<Value, OpenAiError> {
+    match job.state {
+        JobState::Succeeded => {}
+        JobState::Failed => {
+            let (code, message) = job.error.as_ref().map_or(("failed", "the job failed"), |f| (f.code.as_str(), f.message.as_str()));
+            let status =
+                if CLIENT_FAULTS.contains(&code) { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+            return Err(OpenAiError { status, code: code.into(), message: format!("job {}: {message}", job.id), param: None });
+        }
+        _ => {
+            return Err(OpenAiError {
+                status: StatusCode::CONFLICT,
+                code: "job_canceled".into(),
+                message: format!("job {} was canceled", job.id),
+                param: None,
+            })
+        }
+    }
+    let output = job.output.as_ref().ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "a succeeded job without output"))?;
+    if let Some(inline) = &output.inline {
+        return Ok(inline.clone());
+    }
+    let bytes = state.objects.get(&output.key, output.size.max(0) as u64).await.map_err(ApiError::from)?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("the job's output is not JSON: {e}")).into())
+}
+
+/// Seconds since the Unix epoch, for OpenAI's `created` fields.
+pub fn unix_seconds(at: chrono::DateTime<chrono::Utc>) -> i64 {
+    at.timestamp()
+}
+
+/// A server-sent event carrying JSON, as OpenAI's streams send them (`data: {...}`).
+pub fn sse_data(value: &Value) -> axum::response::sse::Event {
+    axum::response::sse::Event::default().data(value.to_string())
+}

@@ -1,0 +1,194 @@
+"""OpenAI's official Python SDK against tern, unchanged: tests/tests/openai_sdk.rs runs it.
+
+Usage: sdk_check.py PHASE BASE_URL API_KEY LIBRIVOX_DIR
+  main       models, every transcription response_format and its stream, embeddings (float
+             and base64), chat and text completions (plain and streamed), errors, and a
+             recording over 30 minutes (on a worker with Whisper tiny.en)
+  translate  translations (on a worker with multilingual Whisper base)
+Prints one line per check; exits non-zero at the first that fails.
+"""
+
+import io
+import math
+import re
+import sys
+import wave
+
+import openai
+from openai import OpenAI
+
+phase, base_url, api_key, librivox = sys.argv[1:5]
+client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=600)
+
+
+def check(what, ok, detail=""):
+    print(("ok   " if ok else "FAIL ") + what + (f": {detail}" if detail else ""), flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+def words(text):
+    return re.sub(r"[^a-z' ]", " ", text.lower()).split()
+
+
+def word_error_rate(reference, hypothesis):
+    ref, hyp = words(reference), words(hypothesis)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / max(len(ref), 1)
+
+
+def clips():
+    out = []
+    for line in open(f"{librivox}/transcription"):
+        text, _, clip_id = line.rstrip().rpartition(" (")
+        text = text.replace("<s>", "").replace("</s>", "").strip()
+        out.append((f"{librivox}/{clip_id.rstrip(')')}.wav", text))
+    return out
+
+
+CLIP, REFERENCE = clips()[0]
+
+
+def expect_error(what, call, status, code, param=None):
+    try:
+        call()
+    except openai.APIStatusError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        ok = e.status_code == status and body.get("code") == code and (param is None or body.get("param") == param)
+        check(what, ok and "message" in body and "type" in body, f"{e.status_code} {body}")
+        return
+    check(what, False, "no error")
+
+
+def long_recording(minutes):
+    """The LibriVox clips one after another until `minutes` of 16 kHz mono WAV."""
+    frames, params = [], None
+    for path, _ in clips():
+        with wave.open(path) as w:
+            params = w.getparams()
+            frames.append(w.readframes(w.getnframes()))
+    one_pass = b"".join(frames)
+    needed = int(minutes * 60 * params.framerate * params.sampwidth * params.nchannels)
+    data = (one_pass * (needed // len(one_pass) + 1))[:needed]
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setparams(params)
+        w.writeframes(data)
+    buffer.name = "long.wav"
+    buffer.seek(0)
+    return buffer
+
+
+def main():
+    ids = {m.id for m in client.models.list()}
+    check("models list the kinds live workers serve", {"transcribe", "embed", "generate"} <= ids, str(sorted(ids)))
+    check("a model is fetched by id", client.models.retrieve("embed").id == "embed")
+
+    # Transcription, every response_format.
+    with open(CLIP, "rb") as f:
+        result = client.audio.transcriptions.create(model="whisper-1", file=f)
+    wer = word_error_rate(REFERENCE, result.text)
+    check("transcription json", wer < 0.25, f"WER {wer:.2f}: {result.text!r}")
+    with open(CLIP, "rb") as f:
+        text = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text")
+    check("transcription text", isinstance(text, str) and word_error_rate(REFERENCE, text) < 0.25, repr(text)[:80])
+    with open(CLIP, "rb") as f:
+        srt = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="srt")
+    check("transcription srt", re.match(r"1\n00:00:\d\d,\d{3} --> \d\d:\d\d:\d\d,\d{3}\n\S", srt) is not None, repr(srt)[:80])
+    with open(CLIP, "rb") as f:
+        vtt = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="vtt")
+    check("transcription vtt", vtt.startswith("WEBVTT\n\n00:00:") and "." in vtt.split("\n")[2], repr(vtt)[:80])
+    with open(CLIP, "rb") as f:
+        verbose = client.audio.transcriptions.create(
+            model="whisper-1", file=f, response_format="verbose_json", timestamp_granularities=["segment"]
+        )
+    with wave.open(CLIP) as w:
+        seconds = w.getnframes() / w.getframerate()
+    segments = verbose.segments or []
+    check(
+        "transcription verbose_json",
+        verbose.language == "en" and abs(verbose.duration - seconds) < 0.1 and segments
+        and all(s.start <= s.end <= seconds + 0.5 for s in segments),
+        f"{verbose.language} {verbose.duration} {len(segments)} segments",
+    )
+    with open(CLIP, "rb") as f:
+        expect_error(
+            "word timestamps are refused by name",
+            lambda: client.audio.transcriptions.create(
+                model="whisper-1", file=f, response_format="verbose_json", timestamp_granularities=["word"]
+            ),
+            400, "unsupported_parameter", "timestamp_granularities",
+        )
+    with open(CLIP, "rb") as f:
+        stream = client.audio.transcriptions.create(model="whisper-1", file=f, stream=True)
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
+    done = [e for e in events if e.type == "transcript.text.done"]
+    check("transcription stream", len(done) == 1 and words(deltas) == words(done[0].text) and words(done[0].text) == words(result.text),
+          f"{len(events)} events")
+
+    # Embeddings: floats, and the SDK's default base64, the same vectors.
+    floats = client.embeddings.create(model="text-embedding-3-small", input=["a cat sat", "the stock market"], encoding_format="float")
+    vectors = [d.embedding for d in floats.data]
+    check("embeddings as floats", len(vectors) == 2 and len(vectors[0]) == 384
+          and all(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-3 for v in vectors), f"{len(vectors)} x {len(vectors[0])}")
+    packed = client.embeddings.create(model="text-embedding-3-small", input=["a cat sat", "the stock market"])
+    check("embeddings as base64", all(abs(a - b) < 1e-6 for v, w in zip(vectors, (d.embedding for d in packed.data)) for a, b in zip(v, w)))
+    single = client.embeddings.create(model="x", input="a cat sat", encoding_format="float")
+    check("one string is one embedding", len(single.data) == 1 and single.data[0].index == 0)
+    expect_error("dimensions the model cannot give are refused",
+                 lambda: client.embeddings.create(model="x", input="a", dimensions=128), 400, "dimensions_unsupported", "dimensions")
+
+    # Chat, plain and streamed: greedy, so the same text.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=16, temperature=0)
+    answer = chat.choices[0].message.content
+    check("chat completion", bool(answer) and chat.choices[0].finish_reason in ("stop", "length")
+          and 0 < chat.usage.completion_tokens <= 16 and chat.object == "chat.completion", repr(answer))
+    chunks = list(client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage]
+    check("chat completion stream", streamed == answer and finish == [chat.choices[0].finish_reason]
+          and len(usage) == 1 and usage[0].completion_tokens == chat.usage.completion_tokens
+          and all(c.object == "chat.completion.chunk" for c in chunks), f"{len(chunks)} chunks: {streamed!r}")
+    completion = client.completions.create(model="x", prompt="Once upon a time", max_tokens=8, temperature=0)
+    check("text completion", bool(completion.choices[0].text) and completion.usage.completion_tokens <= 8, repr(completion.choices[0].text))
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="x", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+    check("text completion stream", streamed == completion.choices[0].text, repr(streamed))
+
+    # Errors in OpenAI's shape.
+    expect_error("n > 1 is refused by name",
+                 lambda: client.chat.completions.create(model="x", messages=messages, n=2), 400, "unsupported_parameter", "n")
+    bad = OpenAI(base_url=f"{base_url}/v1", api_key="tern_nothing_here", max_retries=0)
+    expect_error("a bad key is an authentication error", lambda: bad.models.list(), 401, "invalid_api_key")
+    try:
+        bad.models.list()
+    except openai.AuthenticationError as e:
+        check("the SDK raises AuthenticationError, type authentication_error", e.body.get("type") == "authentication_error")
+
+    # A recording over 30 minutes, in one request.
+    long = client.audio.transcriptions.create(model="whisper-1", file=long_recording(31), response_format="verbose_json")
+    last = (long.segments or [])[-1]
+    check("a 31-minute recording", long.duration > 1859 and last.end > 1800 and len(words(long.text)) > 3000,
+          f"{long.duration:.0f} s, {len(long.segments)} segments, {len(words(long.text))} words")
+
+
+def translate():
+    with open(CLIP, "rb") as f:
+        result = client.audio.translations.create(model="whisper-1", file=f)
+    wer = word_error_rate(REFERENCE, result.text)
+    check("translation into English", wer < 0.25, f"WER {wer:.2f}: {result.text!r}")
+    with open(CLIP, "rb") as f:
+        srt = client.audio.translations.create(model="whisper-1", file=f, response_format="srt")
+    check("translation srt", srt.startswith("1\n00:00:"), repr(srt)[:60])
+
+
+{"main": main, "translate": translate}[phase]()
+print("all checks passed")

@@ -1,0 +1,95 @@
+//! OpenAI's official Python SDK (PyPI, `scripts/services.sh openai`) against tern's
+//! OpenAI-compatible routes, unchanged: models, transcriptions in every `response_format` and
+//! streamed, a recording over 30 minutes, translations, embeddings as floats and base64, chat
+//! and text completions plain and streamed, and errors in OpenAI's shape
+//! (`tests/openai/sdk_check.py` holds the checks). Each request is a job through the queue,
+//! and a client that hangs up cancels its job.
+
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use tern_e2e::Cluster;
+
+/// The SDK's Python: `TERN_OPENAI_PYTHON`, else where `scripts/services.sh openai` installs it.
+fn python() -> PathBuf {
+    if let Some(path) = std::env::var_os("TERN_OPENAI_PYTHON") {
+        return path.into();
+    }
+    let state = std::env::var_os("TERN_STATE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/tern"));
+    state.join("openai/venv/bin/python")
+}
+
+fn run_checks(cluster: &Cluster, phase: &str) {
+    let python = python();
+    assert!(python.exists(), "{} is missing: run scripts/services.sh openai", python.display());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("openai/sdk_check.py");
+    let librivox = tern_e2e::models_dir().join("testdata/librivox");
+    let output = Command::new(&python)
+        .arg(&script)
+        .args([phase, &cluster.url(""), &cluster.api_key])
+        .arg(&librivox)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    println!("{text}");
+    assert!(output.status.success(), "the SDK's {phase} checks failed:\n{text}");
+    assert!(text.contains("all checks passed"), "{text}");
+}
+
+/// Jobs of each kind in this cluster's database.
+async fn jobs_by_kind(cluster: &Cluster) -> Value {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT kind, count(*) FROM jobs GROUP BY kind").fetch_all(&cluster.pg).await.unwrap();
+    rows.into_iter().map(|(kind, n)| (kind, json!(n))).collect::<serde_json::Map<_, _>>().into()
+}
+
+#[tokio::test]
+async fn the_openai_sdk_runs_against_tern_unchanged() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let mut worker = cluster.spawn_worker(&[]).unwrap();
+    run_checks(&cluster, "main");
+    // Every request above was a job: 9 transcriptions (7 answered, 2 refused before any job),
+    // 4 embeddings (one refused after its job ran), 4 chats and completions.
+    let kinds = jobs_by_kind(&cluster).await;
+    assert!(kinds["transcribe"].as_i64().unwrap() >= 7, "{kinds}");
+    assert!(kinds["embed"].as_i64().unwrap() >= 4, "{kinds}");
+    assert!(kinds["generate"].as_i64().unwrap() >= 4, "{kinds}");
+    let failed: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'succeeded'").fetch_one(&cluster.pg).await.unwrap();
+    assert_eq!(failed, 0, "every job the SDK's requests made succeeded");
+
+    // A client that hangs up cancels its job: a long streamed generation, dropped after its
+    // first chunk.
+    let response = cluster
+        .http
+        .post(cluster.url("/v1/chat/completions"))
+        .json(&json!({
+            "model": "x", "stream": true, "max_tokens": 2048, "temperature": 1.0, "seed": 1,
+            "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let id: uuid::Uuid = response.headers()["x-tern-job-id"].to_str().unwrap().parse().unwrap();
+    let mut response = response;
+    let first = response.chunk().await.unwrap().unwrap_or_default();
+    assert!(String::from_utf8_lossy(&first).starts_with("data: "), "{first:?}");
+    drop(response);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let state = loop {
+        let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
+        if job["state"] != "running" && job["state"] != "queued" || Instant::now() > deadline {
+            break job["state"].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(state, "canceled", "the job of a client that left");
+
+    // Translation needs a multilingual model.
+    worker.kill9();
+    let _base = cluster.spawn_worker(&[("TERN_WHISPER_MODEL", "whisper-base"), ("TERN_WORKER_KINDS", "transcribe")]).unwrap();
+    run_checks(&cluster, "translate");
+}
