@@ -405,39 +405,27 @@ ensure_browser() {
   fi
 }
 
-# ------------------------------------------------------------ schemathesis (OpenAPI test)
+# ---------------------------------------- Python tools of the tests (schemathesis, openai SDK)
 
 readonly SCHEMATHESIS_VERSION=4.32.5
-
-ensure_schemathesis() {
-  local venv="$STATE_DIR/schemathesis/venv" log="$STATE_DIR/schemathesis/pip.log"
-  if [[ -x "$venv/bin/st" ]] && "$venv/bin/pip" show schemathesis 2>/dev/null | grep -qx "Version: $SCHEMATHESIS_VERSION"; then
-    return 0
-  fi
-  mkdir -p "$STATE_DIR/schemathesis"
-  python3 -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
-  [[ -x "$venv/bin/pip" ]] || python3 -m venv "$venv" >"$log" 2>&1 || die "python3 -m venv $venv failed (log: $log)"
-  log "installing schemathesis $SCHEMATHESIS_VERSION in $venv"
-  if ! "$venv/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION" >>"$log" 2>&1; then
-    tail -n 20 "$log" >&2
-    die "pip install schemathesis==$SCHEMATHESIS_VERSION failed (log: $log)"
-  fi
-}
-
 readonly OPENAI_SDK_VERSION=3.57.0
 
-ensure_openai_sdk() {
-  local venv="$STATE_DIR/openai/venv" log="$STATE_DIR/openai/pip.log"
-  if [[ -x "$venv/bin/python" ]] && "$venv/bin/pip" show openai 2>/dev/null | grep -qx "Version: $OPENAI_SDK_VERSION"; then
+# ensure_python_package DIR PACKAGE VERSION: PACKAGE==VERSION in the virtualenv
+# $STATE_DIR/DIR/venv, installed unless it is there already.
+ensure_python_package() {
+  local dir="$1" package="$2" version="$3"
+  local venv="$STATE_DIR/$dir/venv" log="$STATE_DIR/$dir/pip.log"
+  # grep reads to the end (no -q): under pipefail, pip killed by SIGPIPE would fail the test.
+  if [[ -x "$venv/bin/pip" ]] && "$venv/bin/pip" show "$package" 2>/dev/null | grep -x "Version: $version" >/dev/null; then
     return 0
   fi
-  mkdir -p "$STATE_DIR/openai"
+  mkdir -p "$STATE_DIR/$dir"
   python3 -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
   [[ -x "$venv/bin/pip" ]] || python3 -m venv "$venv" >"$log" 2>&1 || die "python3 -m venv $venv failed (log: $log)"
-  log "installing openai $OPENAI_SDK_VERSION in $venv"
-  if ! "$venv/bin/pip" install -q --disable-pip-version-check "openai==$OPENAI_SDK_VERSION" >>"$log" 2>&1; then
+  log "installing $package $version in $venv"
+  if ! "$venv/bin/pip" install -q --disable-pip-version-check "$package==$version" >>"$log" 2>&1; then
     tail -n 20 "$log" >&2
-    die "pip install openai==$OPENAI_SDK_VERSION failed (log: $log)"
+    die "pip install $package==$version failed (log: $log)"
   fi
 }
 
@@ -483,10 +471,10 @@ main() {
       ensure_browser
       ;;
     schemathesis)
-      ensure_schemathesis
+      ensure_python_package schemathesis schemathesis "$SCHEMATHESIS_VERSION"
       ;;
     openai)
-      ensure_openai_sdk
+      ensure_python_package openai openai "$OPENAI_SDK_VERSION"
       ;;
   esac
 }
