@@ -45,7 +45,7 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         Some(Value::String(s)) => s.parse().map_err(|()| invalid_priority(s))?,
         Some(other) => return Err(invalid_priority(&other.to_string())),
     };
-    let input = obj.get("input").cloned().unwrap_or(Value::Null);
+    let mut input = obj.get("input").cloned().unwrap_or(Value::Null);
     if input.is_null() {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -63,7 +63,6 @@ pub fn parse(value: &Value, header_key: Option<&str>) -> Result<Submission, ApiE
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_input", format!("input of {kind}: {msg}"))
     })?;
 
-    let mut input = input;
     integers_as_integers(&mut input);
     let cost = estimated_cost(kind, &input);
     let mut job = NewJob::new(kind, input);
@@ -172,8 +171,7 @@ fn parse_webhook(v: &Value) -> Result<tern_jobs::Webhook, ApiError> {
             "webhook.url: only http and https URLs are called".to_string(),
         ));
     }
-    let printable = hook.url.chars().all(|c| c.is_ascii_graphic());
-    if !scheme_ok || hook.url.len() > WEBHOOK_URL_MAX || !printable || reqwest::Url::parse(&hook.url).is_err() {
+    if !scheme_ok || hook.url.len() > WEBHOOK_URL_MAX || !tern_jobs::egress::well_formed(&hook.url) {
         return Err(bad(format!(
             "the webhook url must be an http(s) URL of at most {WEBHOOK_URL_MAX} printable ASCII characters"
         )));

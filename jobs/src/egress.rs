@@ -79,6 +79,13 @@ fn v4_kind(ip: Ipv4Addr) -> Option<&'static str> {
 
 /// Checks a URL before any request: http or https only, and a literal IP host must be public.
 /// Hostnames are checked when they resolve (see [`client`]).
+/// Whether `url` is printable ASCII (international names as punycode, other characters
+/// percent-encoded), as the schemas' URL pattern says, and parses: file URLs and webhook URLs
+/// are held to it before any address check.
+pub fn well_formed(url: &str) -> bool {
+    url.chars().all(|c| c.is_ascii_graphic()) && reqwest::Url::parse(url).is_ok()
+}
+
 pub fn check_url(url: &str, allow_private: bool) -> Result<(), Forbidden> {
     let parsed = reqwest::Url::parse(url).map_err(|e| Forbidden(format!("{url:?} is not a URL: {e}")))?;
     if !matches!(parsed.scheme(), "http" | "https") {

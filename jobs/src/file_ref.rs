@@ -67,10 +67,7 @@ impl FileRef {
                     None => return Err(FileRefError::Url(s.to_string())),
                 }
                 let host = s.split_once("://").map(|(_, rest)| rest).unwrap_or_default();
-                // Printable ASCII only (international names as punycode, other characters
-                // percent-encoded), as the schemas' pattern says, and a URL that parses.
-                let printable = s.chars().all(|c| c.is_ascii_graphic());
-                if host.is_empty() || host.starts_with('/') || !printable || reqwest::Url::parse(s).is_err() {
+                if host.is_empty() || host.starts_with('/') || !crate::egress::well_formed(s) {
                     return Err(FileRefError::Url(s.to_string()));
                 }
                 Ok(FileRef::Url(s.to_string()))

@@ -53,6 +53,12 @@ def clips():
 CLIP, REFERENCE = clips()[0]
 
 
+def clip_through(route, **options):
+    """The test clip sent to `route` (client.audio.transcriptions or .translations)."""
+    with open(CLIP, "rb") as f:
+        return route.create(model="whisper-1", file=f, **options)
+
+
 def expect_error(what, call, status, code, param=None):
     try:
         call()
@@ -89,23 +95,16 @@ def main():
     check("a model is fetched by id", client.models.retrieve("embed").id == "embed")
 
     # Transcription, every response_format.
-    with open(CLIP, "rb") as f:
-        result = client.audio.transcriptions.create(model="whisper-1", file=f)
+    result = clip_through(client.audio.transcriptions)
     wer = word_error_rate(REFERENCE, result.text)
     check("transcription json", wer < 0.25, f"WER {wer:.2f}: {result.text!r}")
-    with open(CLIP, "rb") as f:
-        text = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text")
+    text = clip_through(client.audio.transcriptions, response_format="text")
     check("transcription text", isinstance(text, str) and word_error_rate(REFERENCE, text) < 0.25, repr(text)[:80])
-    with open(CLIP, "rb") as f:
-        srt = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="srt")
+    srt = clip_through(client.audio.transcriptions, response_format="srt")
     check("transcription srt", re.match(r"1\n00:00:\d\d,\d{3} --> \d\d:\d\d:\d\d,\d{3}\n\S", srt) is not None, repr(srt)[:80])
-    with open(CLIP, "rb") as f:
-        vtt = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="vtt")
+    vtt = clip_through(client.audio.transcriptions, response_format="vtt")
     check("transcription vtt", vtt.startswith("WEBVTT\n\n00:00:") and "." in vtt.split("\n")[2], repr(vtt)[:80])
-    with open(CLIP, "rb") as f:
-        verbose = client.audio.transcriptions.create(
-            model="whisper-1", file=f, response_format="verbose_json", timestamp_granularities=["segment"]
-        )
+    verbose = clip_through(client.audio.transcriptions, response_format="verbose_json", timestamp_granularities=["segment"])
     with wave.open(CLIP) as w:
         seconds = w.getnframes() / w.getframerate()
     segments = verbose.segments or []
@@ -115,17 +114,12 @@ def main():
         and all(s.start <= s.end <= seconds + 0.5 for s in segments),
         f"{verbose.language} {verbose.duration} {len(segments)} segments",
     )
-    with open(CLIP, "rb") as f:
-        expect_error(
-            "word timestamps are refused by name",
-            lambda: client.audio.transcriptions.create(
-                model="whisper-1", file=f, response_format="verbose_json", timestamp_granularities=["word"]
-            ),
-            400, "unsupported_parameter", "timestamp_granularities",
-        )
-    with open(CLIP, "rb") as f:
-        stream = client.audio.transcriptions.create(model="whisper-1", file=f, stream=True)
-        events = list(stream)
+    expect_error(
+        "word timestamps are refused by name",
+        lambda: clip_through(client.audio.transcriptions, response_format="verbose_json", timestamp_granularities=["word"]),
+        400, "unsupported_parameter", "timestamp_granularities",
+    )
+    events = list(clip_through(client.audio.transcriptions, stream=True))
     deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
     done = [e for e in events if e.type == "transcript.text.done"]
     check("transcription stream", len(done) == 1 and words(deltas) == words(done[0].text) and words(done[0].text) == words(result.text),
@@ -181,12 +175,10 @@ def main():
 
 
 def translate():
-    with open(CLIP, "rb") as f:
-        result = client.audio.translations.create(model="whisper-1", file=f)
+    result = clip_through(client.audio.translations)
     wer = word_error_rate(REFERENCE, result.text)
     check("translation into English", wer < 0.25, f"WER {wer:.2f}: {result.text!r}")
-    with open(CLIP, "rb") as f:
-        srt = client.audio.translations.create(model="whisper-1", file=f, response_format="srt")
+    srt = clip_through(client.audio.translations, response_format="srt")
     check("translation srt", srt.startswith("1\n00:00:"), repr(srt)[:60])
 
 

@@ -39,6 +39,15 @@ fn s3_secret_key() -> String {
 }
 
 /// Model weights and test speech (`TERN_MODELS_DIR`, filled by scripts/models.sh).
+/// Where `scripts/services.sh` installs the tools the tests run (schemathesis, the openai
+/// SDK): `TERN_STATE_DIR`, default `~/.cache/tern`.
+pub fn state_dir() -> PathBuf {
+    match std::env::var_os("TERN_STATE_DIR") {
+        Some(dir) => dir.into(),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tern"),
+    }
+}
+
 pub fn models_dir() -> PathBuf {
     match std::env::var_os("TERN_MODELS_DIR") {
         Some(dir) => dir.into(),

@@ -16,10 +16,7 @@ fn python() -> PathBuf {
     if let Some(path) = std::env::var_os("TERN_OPENAI_PYTHON") {
         return path.into();
     }
-    let state = std::env::var_os("TERN_STATE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/tern"));
-    state.join("openai/venv/bin/python")
+    tern_e2e::state_dir().join("openai/venv/bin/python")
 }
 
 fn run_checks(cluster: &Cluster, phase: &str) {

@@ -59,10 +59,7 @@ fn schemathesis() -> PathBuf {
     if let Some(path) = std::env::var_os("TERN_SCHEMATHESIS") {
         return path.into();
     }
-    let state = std::env::var_os("TERN_STATE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/tern"));
-    state.join("schemathesis/venv/bin/st")
+    tern_e2e::state_dir().join("schemathesis/venv/bin/st")
 }
 
 #[tokio::test]

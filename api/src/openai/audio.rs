@@ -53,10 +53,6 @@ struct Request {
     stream: bool,
 }
 
-fn unsupported(param: &'static str, message: impl Into<String>) -> OpenAiError {
-    OpenAiError::invalid("unsupported_parameter", message, param)
-}
-
 /// Reads the multipart form; refuses what tern cannot honour rather than ignoring it.
 async fn read(mut form: Multipart) -> Result<Request, OpenAiError> {
     let bad_form = |e: axum::extract::multipart::MultipartError| {
@@ -82,11 +78,11 @@ async fn read(mut form: Multipart) -> Result<Request, OpenAiError> {
             "temperature" => {
                 let t: f64 = value.parse().map_err(|_| OpenAiError::invalid("invalid_temperature", "temperature must be a number", "temperature"))?;
                 if t != 0.0 {
-                    return Err(unsupported("temperature", "tern decodes greedily: temperature must be 0"));
+                    return Err(OpenAiError::unsupported("temperature", "tern decodes greedily: temperature must be 0"));
                 }
             }
             "prompt" if !value.is_empty() => {
-                return Err(unsupported("prompt", "tern does not condition transcription on a prompt yet"));
+                return Err(OpenAiError::unsupported("prompt", "tern does not condition transcription on a prompt yet"));
             }
             "timestamp_granularities[]" | "timestamp_granularities" => match value.as_str() {
                 "segment" => {}
@@ -97,11 +93,11 @@ async fn read(mut form: Multipart) -> Result<Request, OpenAiError> {
         }
     }
     if word_timestamps {
-        return Err(unsupported("timestamp_granularities", "tern gives segment timestamps only, not word timestamps yet"));
+        return Err(OpenAiError::unsupported("timestamp_granularities", "tern gives segment timestamps only, not word timestamps yet"));
     }
     let file = file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))?;
     if stream && format != Format::Json && format != Format::Text {
-        return Err(unsupported("stream", "streamed transcripts are text: response_format json or text"));
+        return Err(OpenAiError::unsupported("stream", "streamed transcripts are text: response_format json or text"));
     }
     Ok(Request { file, language, format, stream })
 }

@@ -2,7 +2,7 @@
 //! (`chat.completion.chunk` / `text_completion` server-sent events as the worker reports the
 //! text, then `[DONE]`; a usage chunk first when `stream_options.include_usage`).
 
-use super::{sse_data, unix_seconds, OpenAiError, Waited};
+use super::{sse_data, OpenAiError, Waited};
 use crate::auth::Caller;
 use crate::state::AppState;
 use axum::body::Bytes;
@@ -33,10 +33,22 @@ impl Flavour {
             Flavour::Text => format!("cmpl-{}", job.simple()),
         }
     }
-}
 
-fn unsupported(param: &'static str, message: impl Into<String>) -> OpenAiError {
-    OpenAiError::invalid("unsupported_parameter", message, param)
+    /// The `object` of a whole answer.
+    fn object(self) -> &'static str {
+        match self {
+            Flavour::Chat => "chat.completion",
+            Flavour::Text => "text_completion",
+        }
+    }
+
+    /// The `object` of a streamed chunk.
+    fn chunk_object(self) -> &'static str {
+        match self {
+            Flavour::Chat => "chat.completion.chunk",
+            Flavour::Text => "text_completion",
+        }
+    }
 }
 
 fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
@@ -57,7 +69,7 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
                     Some("system" | "developer") => "system",
                     Some("user") => "user",
                     Some("assistant") => "assistant",
-                    other => return Err(unsupported("messages", format!("message role {other:?}: tern takes system, developer, user and assistant"))),
+                    other => return Err(OpenAiError::unsupported("messages", format!("message role {other:?}: tern takes system, developer, user and assistant"))),
                 };
                 out.push(json!({ "role": role, "content": content_text(&m["content"])? }));
             }
@@ -67,7 +79,7 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
             let prompt = match body.get("prompt") {
                 Some(Value::String(p)) => p.clone(),
                 Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => items[0].as_str().unwrap_or_default().to_string(),
-                Some(Value::Array(_)) => return Err(unsupported("prompt", "one prompt per request: give a string")),
+                Some(Value::Array(_)) => return Err(OpenAiError::unsupported("prompt", "one prompt per request: give a string")),
                 _ => return Err(invalid("prompt", "\"prompt\" must be a string")),
             };
             input.insert("prompt".into(), json!(prompt));
@@ -92,23 +104,23 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
         }
     }
     if body.get("n").is_some_and(|n| !n.is_null() && n.as_f64() != Some(1.0)) {
-        return Err(unsupported("n", "one choice per request: n must be 1"));
+        return Err(OpenAiError::unsupported("n", "one choice per request: n must be 1"));
     }
     for field in ["tools", "functions", "tool_choice", "function_call"] {
         if body.get(field).is_some_and(|v| !v.is_null()) {
-            return Err(unsupported("tools", "tern's models do not call tools"));
+            return Err(OpenAiError::unsupported("tools", "tern's models do not call tools"));
         }
     }
     if body.get("logprobs").is_some_and(|v| v.as_bool() == Some(true) || v.is_number()) {
-        return Err(unsupported("logprobs", "tern does not return log-probabilities"));
+        return Err(OpenAiError::unsupported("logprobs", "tern does not return log-probabilities"));
     }
     for field in ["presence_penalty", "frequency_penalty"] {
         if body.get(field).is_some_and(|v| v.as_f64().is_some_and(|p| p != 0.0)) {
-            return Err(unsupported(if field == "presence_penalty" { "presence_penalty" } else { "frequency_penalty" }, format!("tern does not apply {field}")));
+            return Err(OpenAiError::unsupported(field, format!("tern does not apply {field}")));
         }
     }
     if body.get("response_format").is_some_and(|f| !f.is_null() && f["type"] != "text") {
-        return Err(unsupported("response_format", "tern generates text only: response_format must be {\"type\": \"text\"}"));
+        return Err(OpenAiError::unsupported("response_format", "tern generates text only: response_format must be {\"type\": \"text\"}"));
     }
     Ok(Value::Object(input))
 }
@@ -122,7 +134,7 @@ fn content_text(content: &Value) -> Result<String, OpenAiError> {
             .iter()
             .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
                 (Some("text"), Some(t)) => Ok(t),
-                _ => Err(unsupported("messages", "tern's models read text parts only")),
+                _ => Err(OpenAiError::unsupported("messages", "tern's models read text parts only")),
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|texts| texts.concat()),
@@ -170,16 +182,15 @@ async fn complete(
     }
     let job = waited.finished().await?;
     let output = waited.output(&job).await?;
-    let (id, created, model) = (flavour.id(job.id), unix_seconds(job.created_at), output["model"].clone());
+    let (id, created, model) = (flavour.id(job.id), job.created_at.timestamp(), output["model"].clone());
     let text = output["text"].clone();
     let finish_reason = output["finish_reason"].clone();
     let choice = match flavour {
         Flavour::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text, "refusal": null }, "finish_reason": finish_reason, "logprobs": null }),
         Flavour::Text => json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null }),
     };
-    let object = if flavour == Flavour::Chat { "chat.completion" } else { "text_completion" };
     Ok(([job_header], Json(json!({
-        "id": id, "object": object, "created": created, "model": model,
+        "id": id, "object": flavour.object(), "created": created, "model": model,
         "choices": [choice], "usage": usage(&output), "system_fingerprint": null,
     })))
     .into_response())
@@ -219,9 +230,8 @@ impl Streamed {
             }
             Flavour::Text => json!({ "index": 0, "text": delta.unwrap_or(""), "finish_reason": finish_reason, "logprobs": null }),
         };
-        let object = if self.flavour == Flavour::Chat { "chat.completion.chunk" } else { "text_completion" };
         sse_data(&json!({
-            "id": self.flavour.id(self.waited.id), "object": object, "created": created, "model": model,
+            "id": self.flavour.id(self.waited.id), "object": self.flavour.chunk_object(), "created": created, "model": model,
             "choices": [choice], "system_fingerprint": null,
         }))
     }
@@ -233,9 +243,8 @@ impl Streamed {
                 Ok(job) => job,
                 Err(e) => return self.fail(e),
             };
-            let created = unix_seconds(job.created_at);
+            let created = job.created_at.timestamp();
             if job.state.is_terminal() {
-                let _ = self.waited.finished().await;
                 let output = match self.waited.output(&job).await {
                     Ok(output) => output,
                     Err(e) => return self.fail(e),
@@ -251,9 +260,8 @@ impl Streamed {
                 }
                 events.push(self.chunk(created, &model, None, output["finish_reason"].clone(), first && events.is_empty()));
                 if self.include_usage {
-                    let object = if self.flavour == Flavour::Chat { "chat.completion.chunk" } else { "text_completion" };
                     events.push(sse_data(&json!({
-                        "id": self.flavour.id(job.id), "object": object, "created": created, "model": model,
+                        "id": self.flavour.id(job.id), "object": self.flavour.chunk_object(), "created": created, "model": model,
                         "choices": [], "usage": usage(&output),
                     })));
                 }

@@ -13,19 +13,15 @@ use axum::Json;
 use base64::Engine;
 use serde_json::{json, Value};
 
-fn invalid(code: &str, param: &'static str, message: impl Into<String>) -> OpenAiError {
-    OpenAiError::invalid(code, message, param)
-}
-
 /// The texts of `input`; token arrays are refused (tern's API holds no tokenizer to read them).
 fn texts(input: Option<&Value>) -> Result<Vec<Value>, OpenAiError> {
     match input {
         Some(Value::String(s)) => Ok(vec![json!(s)]),
         Some(Value::Array(items)) if items.iter().all(Value::is_string) && !items.is_empty() => Ok(items.clone()),
         Some(Value::Array(items)) if items.iter().any(|i| i.is_number() || i.is_array()) => {
-            Err(invalid("unsupported_parameter", "input", "token arrays are not supported: send text"))
+            Err(OpenAiError::unsupported("input", "token arrays are not supported: send text"))
         }
-        _ => Err(invalid("invalid_request", "input", "\"input\" must be a string or a non-empty array of strings")),
+        _ => Err(OpenAiError::invalid("invalid_request", "\"input\" must be a string or a non-empty array of strings", "input")),
     }
 }
 
@@ -37,11 +33,11 @@ pub async fn create(State(state): State<AppState>, caller: Caller, headers: Head
     let base64 = match body["encoding_format"].as_str() {
         None | Some("float") => false,
         Some("base64") => true,
-        Some(other) => return Err(invalid("invalid_encoding_format", "encoding_format", format!("{other:?}: use float or base64"))),
+        Some(other) => return Err(OpenAiError::invalid("invalid_encoding_format", format!("{other:?}: use float or base64"), "encoding_format")),
     };
     let dimensions = match body.get("dimensions").filter(|d| !d.is_null()) {
         None => None,
-        Some(d) => Some(d.as_u64().filter(|d| *d > 0).ok_or_else(|| invalid("invalid_dimensions", "dimensions", "dimensions must be a positive integer"))?),
+        Some(d) => Some(d.as_u64().filter(|d| *d > 0).ok_or_else(|| OpenAiError::invalid("invalid_dimensions", "dimensions must be a positive integer", "dimensions"))?),
     };
     let mut waited = Waited::submit(&state, &tenant, json!({ "kind": "embed", "input": { "texts": texts } }), &headers).await?;
     let job_header = waited.header();
@@ -51,10 +47,10 @@ pub async fn create(State(state): State<AppState>, caller: Caller, headers: Head
     if let Some(asked) = dimensions.filter(|d| *d != model_dimensions) {
         // The vectors are unit-length in the model's own space; cutting them would not give
         // what a Matryoshka-trained model gives, so none is cut.
-        return Err(invalid(
+        return Err(OpenAiError::invalid(
             "dimensions_unsupported",
-            "dimensions",
             format!("{} gives {model_dimensions}-dimensional embeddings and cannot shorten them to {asked}", output["model"].as_str().unwrap_or("the model")),
+            "dimensions",
         ));
     }
     let data: Vec<Value> = output["embeddings"]

@@ -60,6 +60,11 @@ impl OpenAiError {
     pub fn invalid(code: &str, message: impl Into<String>, param: &'static str) -> Self {
         OpenAiError { status: StatusCode::BAD_REQUEST, code: code.into(), message: message.into(), param: Some(param) }
     }
+
+    /// 400 `unsupported_parameter`: what tern cannot honour is refused by name, not ignored.
+    pub fn unsupported(param: &'static str, message: impl Into<String>) -> Self {
+        Self::invalid("unsupported_parameter", message, param)
+    }
 }
 
 impl From<ApiError> for OpenAiError {
@@ -151,9 +156,11 @@ impl Waited {
         Ok(Waited { state: state.clone(), id: created.job().id, owned, finished: false })
     }
 
-    /// The job now.
-    pub async fn job(&self) -> Result<Job, OpenAiError> {
-        Ok(self.state.store.get(self.id).await.map_err(ApiError::from)?.ok_or_else(ApiError::not_found)?)
+    /// The job now. Once it is seen final, dropping `self` no longer cancels it.
+    pub async fn job(&mut self) -> Result<Job, OpenAiError> {
+        let job = self.state.store.get(self.id).await.map_err(ApiError::from)?.ok_or_else(ApiError::not_found)?;
+        self.finished |= job.state.is_terminal();
+        Ok(job)
     }
 
     /// Waits for the job's final state; checks every 50 ms at first, then at most every 250 ms.
@@ -162,7 +169,6 @@ impl Waited {
         loop {
             let job = self.job().await?;
             if job.state.is_terminal() {
-                self.finished = true;
                 return Ok(job);
             }
             tokio::time::sleep(pause).await;
@@ -170,10 +176,34 @@ impl Waited {
         }
     }
 
-    /// The succeeded job's output JSON (inline, or read from object storage); a failed or
+    /// The finished job's output JSON (inline, or read from object storage); a failed or
     /// canceled job's error.
     pub async fn output(&self, job: &Job) -> Result<Value, OpenAiError> {
-        output(&self.state, job).await
+        match job.state {
+            JobState::Succeeded => {}
+            JobState::Failed => {
+                let (code, message) =
+                    job.error.as_ref().map_or(("failed", "the job failed"), |f| (f.code.as_str(), f.message.as_str()));
+                let status =
+                    if CLIENT_FAULTS.contains(&code) { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+                return Err(OpenAiError { status, code: code.into(), message: format!("job {}: {message}", job.id), param: None });
+            }
+            _ => {
+                return Err(OpenAiError {
+                    status: StatusCode::CONFLICT,
+                    code: "job_canceled".into(),
+                    message: format!("job {} was canceled", job.id),
+                    param: None,
+                })
+            }
+        }
+        let internal = |message: String| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message);
+        let output = job.output.as_ref().ok_or_else(|| internal("a succeeded job without output".into()))?;
+        if let Some(inline) = &output.inline {
+            return Ok(inline.clone());
+        }
+        let bytes = self.state.objects.get(&output.key, output.size.max(0) as u64).await.map_err(ApiError::from)?;
+        Ok(serde_json::from_slice(&bytes).map_err(|e| internal(format!("the job's output is not JSON: {e}")))?)
     }
 
     /// The job's id as the `X-Tern-Job-Id` header.
@@ -208,39 +238,6 @@ const CLIENT_FAULTS: &[&str] = &[
     "file_too_large",
     "url_forbidden",
 ];
-
-/// A finished job's output, or its failure as an error.
-pub async fn output(state: &AppState, job: &Job) -> Result<Value, OpenAiError> {
-    match job.state {
-        JobState::Succeeded => {}
-        JobState::Failed => {
-            let (code, message) = job.error.as_ref().map_or(("failed", "the job failed"), |f| (f.code.as_str(), f.message.as_str()));
-            let status =
-                if CLIENT_FAULTS.contains(&code) { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
-            return Err(OpenAiError { status, code: code.into(), message: format!("job {}: {message}", job.id), param: None });
-        }
-        _ => {
-            return Err(OpenAiError {
-                status: StatusCode::CONFLICT,
-                code: "job_canceled".into(),
-                message: format!("job {} was canceled", job.id),
-                param: None,
-            })
-        }
-    }
-    let output = job.output.as_ref().ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "a succeeded job without output"))?;
-    if let Some(inline) = &output.inline {
-        return Ok(inline.clone());
-    }
-    let bytes = state.objects.get(&output.key, output.size.max(0) as u64).await.map_err(ApiError::from)?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("the job's output is not JSON: {e}")).into())
-}
-
-/// Seconds since the Unix epoch, for OpenAI's `created` fields.
-pub fn unix_seconds(at: chrono::DateTime<chrono::Utc>) -> i64 {
-    at.timestamp()
-}
 
 /// A server-sent event carrying JSON, as OpenAI's streams send them (`data: {...}`).
 pub fn sse_data(value: &Value) -> axum::response::sse::Event {
