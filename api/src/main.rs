@@ -78,6 +78,17 @@ struct ServeArgs {
     /// request, bytes (it is stored as an upload, then transcribed as any other).
     #[arg(long, env = "TERN_MAX_AUDIO_UPLOAD_BYTES", default_value_t = 512 * 1024 * 1024)]
     max_audio_upload_bytes: usize,
+    /// Largest batch input file `POST /v1/files` takes, bytes (OpenAI's limit: 200 MiB).
+    #[arg(long, env = "TERN_MAX_BATCH_FILE_BYTES", default_value_t = 200 * 1024 * 1024)]
+    max_batch_file_bytes: usize,
+    /// How often (ms) the batch runner looks for batches with work: files to validate, lines
+    /// to submit, batches whose jobs all finished.
+    #[arg(long, env = "TERN_BATCH_POLL_MS", default_value_t = 500)]
+    batch_poll_ms: u64,
+    /// How long (ms) a replica's claim on a batch it works on holds unless renewed (every few
+    /// seconds while it works): how soon another replica takes over from one that died.
+    #[arg(long, env = "TERN_BATCH_CLAIM_MS", default_value_t = 60_000)]
+    batch_claim_ms: u64,
     /// Webhook signing secrets, comma-separated `whsec_<base64>` (Standard Webhooks); the first
     /// is current, all sign during a rotation. Unset: jobs cannot name a webhook.
     #[arg(long, env = "TERN_WEBHOOK_SECRETS", value_parser = webhooks::signature::Signer::parse, hide_env_values = true)]
@@ -174,6 +185,7 @@ async fn main() -> anyhow::Result<()> {
             max_queued: args.max_queued,
             max_body_bytes: args.max_body_bytes,
             max_audio_upload_bytes: args.max_audio_upload_bytes,
+            max_batch_file_bytes: args.max_batch_file_bytes,
             max_audio_seconds: args.services.max_audio_seconds,
             rate: (args.rate_limit_per_sec > 0.0).then_some(auth::RateLimit {
                 per_second: args.rate_limit_per_sec,
@@ -208,6 +220,15 @@ async fn main() -> anyhow::Result<()> {
         };
         tokio::spawn(dispatcher.run(stop_rx.clone()))
     };
+    let batch_task = {
+        let runner = openai::batch::runner::Runner {
+            state: state.clone(),
+            owner: format!("api-{}", uuid::Uuid::now_v7()),
+            poll: Duration::from_millis(args.batch_poll_ms.max(10)),
+            claim: Duration::from_millis(args.batch_claim_ms.max(1_000)),
+        };
+        tokio::spawn(runner.run(stop_rx.clone()))
+    };
     tern_jobs::prometheus::install();
     let app = routes::router(state, middleware::Cors { origins: args.cors_origins.clone() });
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
@@ -216,6 +237,7 @@ async fn main() -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     let _ = tokio::join!(reaper_task, reconciler_task);
     let _ = dispatcher_task.await;
+    let _ = batch_task.await;
     tracing::info!("tern-api stopped");
     Ok(())
 }

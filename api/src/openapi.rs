@@ -372,6 +372,7 @@ mod tests {
         ("post", "/v1/jobs/batch"),
         ("get", "/v1/jobs/{id}"),
         ("get", "/v1/jobs/{id}/events"),
+        ("get", "/v1/jobs/{id}/stream"),
         ("get", "/v1/jobs"),
         ("post", "/v1/jobs/{id}/cancel"),
         ("post", "/v1/uploads"),

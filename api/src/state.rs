@@ -27,6 +27,8 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Largest multipart audio upload of `/v1/audio/*`, bytes.
     pub max_audio_upload_bytes: usize,
+    /// Largest batch input file (`POST /v1/files`), bytes.
+    pub max_batch_file_bytes: usize,
     /// Longest audio a job may bring, seconds.
     pub max_audio_seconds: f64,
     /// Per-key request rate; `None`: unlimited.

@@ -168,6 +168,49 @@ impl ObjectStore {
         }
     }
 
+    /// The object's size and its bytes as a stream, for objects too large to hold at once;
+    /// `None` if there is none under `key`.
+    pub async fn stream(&self, key: &str) -> Result<Option<(i64, ObjectBytes)>> {
+        match self.client.get_object().bucket(&self.bucket).key(self.full_key(key)).send().await {
+            Ok(resp) => {
+                let size = resp.content_length().unwrap_or(0);
+                let chunks = futures::stream::unfold(resp.body, |mut body| async move {
+                    body.next().await.map(|chunk| (chunk.map_err(s3_err), body))
+                });
+                Ok(Some((size, Box::pin(chunks))))
+            }
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_no_such_key()) => Ok(None),
+            Err(e) => Err(s3_err(aws_sdk_s3::error::DisplayErrorContext(e))),
+        }
+    }
+
+    /// A writer that stores an object of any size under `key` as it is written: one PUT if it
+    /// ends under [`ObjectWriter::PART_BYTES`], a multipart upload otherwise.
+    pub fn writer(&self, key: &str, content_type: &str) -> ObjectWriter {
+        ObjectWriter {
+            store: self.clone(),
+            key: key.to_string(),
+            content_type: content_type.to_string(),
+            upload_id: None,
+            parts: Vec::new(),
+            buffer: Vec::new(),
+            size: 0,
+            sha256: Sha256::new(),
+        }
+    }
+
+    /// Removes the object; removing one that is not there is no error.
+    pub async fn delete(&self, key: &str) -> Result<()> {
+        self.client
+            .delete_object()
+            .bucket(&self.bucket)
+            .key(self.full_key(key))
+            .send()
+            .await
+            .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
+        Ok(())
+    }
+
     /// A URL that downloads the object without credentials until the presign TTL passes.
     pub async fn presign_get(&self, key: &str) -> Result<String> {
         let config = PresigningConfig::expires_in(self.presign_ttl).map_err(s3_err)?;
@@ -184,5 +227,103 @@ impl ObjectStore {
 
     pub fn presign_ttl(&self) -> Duration {
         self.presign_ttl
+    }
+}
+
+/// An object's bytes, chunk by chunk.
+pub type ObjectBytes = std::pin::Pin<Box<dyn futures::Stream<Item = Result<Bytes>> + Send>>;
+
+/// An object written piece by piece ([`ObjectStore::writer`]). Nothing is visible under its
+/// key until [`finish`](ObjectWriter::finish); dropped unfinished, a multipart upload it began
+/// is left for the bucket's lifecycle rules (or `abort`) to clear.
+pub struct ObjectWriter {
+    store: ObjectStore,
+    key: String,
+    content_type: String,
+    upload_id: Option<String>,
+    parts: Vec<aws_sdk_s3::types::CompletedPart>,
+    buffer: Vec<u8>,
+    size: i64,
+    sha256: Sha256,
+}
+
+impl ObjectWriter {
+    /// Bytes buffered before a part is sent: 8 MiB (S3's parts are at least 5 MiB but the last).
+    pub const PART_BYTES: usize = 8 * 1024 * 1024;
+
+    pub async fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.buffer.extend_from_slice(bytes);
+        self.sha256.update(bytes);
+        self.size += bytes.len() as i64;
+        if self.buffer.len() >= Self::PART_BYTES {
+            self.send_part().await?;
+        }
+        Ok(())
+    }
+
+    async fn send_part(&mut self) -> Result<()> {
+        let (client, bucket, key) = (&self.store.client, &self.store.bucket, self.store.full_key(&self.key));
+        let upload_id = match &self.upload_id {
+            Some(id) => id.clone(),
+            None => {
+                let created = client
+                    .create_multipart_upload()
+                    .bucket(bucket)
+                    .key(&key)
+                    .content_type(&self.content_type)
+                    .send()
+                    .await
+                    .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
+                let id = created.upload_id().ok_or_else(|| s3_err("no upload id"))?.to_string();
+                self.upload_id = Some(id.clone());
+                id
+            }
+        };
+        let number = self.parts.len() as i32 + 1;
+        let body = Bytes::from(std::mem::take(&mut self.buffer));
+        let sent = client
+            .upload_part()
+            .bucket(bucket)
+            .key(&key)
+            .upload_id(&upload_id)
+            .part_number(number)
+            .body(ByteStream::from(body))
+            .send()
+            .await
+            .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
+        self.parts.push(
+            aws_sdk_s3::types::CompletedPart::builder().part_number(number).set_e_tag(sent.e_tag().map(str::to_string)).build(),
+        );
+        Ok(())
+    }
+
+    /// Stores what was written and describes it.
+    pub async fn finish(mut self) -> Result<JobOutput> {
+        let Some(upload_id) = self.upload_id.clone() else {
+            let body = Bytes::from(std::mem::take(&mut self.buffer));
+            return self.store.put(&self.key, body, &self.content_type).await;
+        };
+        if !self.buffer.is_empty() {
+            self.send_part().await?;
+        }
+        let parts = aws_sdk_s3::types::CompletedMultipartUpload::builder().set_parts(Some(std::mem::take(&mut self.parts))).build();
+        self.store
+            .client
+            .complete_multipart_upload()
+            .bucket(&self.store.bucket)
+            .key(self.store.full_key(&self.key))
+            .upload_id(upload_id)
+            .multipart_upload(parts)
+            .send()
+            .await
+            .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
+        Ok(JobOutput {
+            key: self.key.clone(),
+            size: self.size,
+            sha256: hex::encode(self.sha256.clone().finalize()),
+            content_type: self.content_type.clone(),
+            formats: Default::default(),
+            inline: None,
+        })
     }
 }

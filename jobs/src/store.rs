@@ -220,6 +220,13 @@ impl Store {
         row.as_ref().map(job_from_row).transpose()
     }
 
+    /// The jobs of `ids` that exist, in no particular order.
+    pub async fn get_many(&self, ids: &[Uuid]) -> Result<Vec<Job>> {
+        let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ANY($1)");
+        let rows = sqlx::query(&sql).bind(ids).fetch_all(&self.pool).await?;
+        rows.iter().map(job_from_row).collect()
+    }
+
     /// `tenant`'s job under idempotency key `key`.
     pub async fn get_by_idempotency_key(&self, tenant: &str, key: &str) -> Result<Option<Job>> {
         let sql =
@@ -281,21 +288,31 @@ impl Store {
 
     /// The job's timeline, oldest first.
     pub async fn events(&self, id: Uuid) -> Result<Vec<JobEvent>> {
+        Ok(self.events_after(id, 0).await?.into_iter().map(|(_, e)| e).collect())
+    }
+
+    /// The job's timeline after event `after` (an event's id; 0 for all), oldest first, each
+    /// with its id.
+    pub async fn events_after(&self, id: Uuid, after: i64) -> Result<Vec<(i64, JobEvent)>> {
         let rows = sqlx::query(
-            "SELECT at, state, attempt, worker_id, detail FROM job_events WHERE job_id = $1 ORDER BY id",
+            "SELECT id, at, state, attempt, worker_id, detail FROM job_events WHERE job_id = $1 AND id > $2 ORDER BY id",
         )
         .bind(id)
+        .bind(after)
         .fetch_all(&self.pool)
         .await?;
         rows.iter()
             .map(|r| {
-                Ok(JobEvent {
-                    at: r.try_get("at")?,
-                    state: parse_state(r.try_get("state")?)?,
-                    attempt: r.try_get("attempt")?,
-                    worker_id: r.try_get("worker_id")?,
-                    detail: r.try_get("detail")?,
-                })
+                Ok((
+                    r.try_get("id")?,
+                    JobEvent {
+                        at: r.try_get("at")?,
+                        state: parse_state(r.try_get("state")?)?,
+                        attempt: r.try_get("attempt")?,
+                        worker_id: r.try_get("worker_id")?,
+                        detail: r.try_get("detail")?,
+                    },
+                ))
             })
             .collect()
     }

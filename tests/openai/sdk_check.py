@@ -5,11 +5,15 @@ Usage: sdk_check.py PHASE BASE_URL API_KEY LIBRIVOX_DIR
              and base64), chat and text completions (plain and streamed), errors, and a
              recording over 30 minutes (on a worker with Whisper tiny.en)
   translate  translations (on a worker with multilingual Whisper base)
+  batch      the Batch API: a file uploaded, a batch run to its output file, listed,
+             canceled, and the file deleted
 Prints one line per check; exits non-zero at the first that fails.
 """
 
 import io
+import json
 import math
+import time
 import re
 import sys
 import wave
@@ -182,5 +186,52 @@ def translate():
     check("translation srt", srt.startswith("1\n00:00:"), repr(srt)[:60])
 
 
-{"main": main, "translate": translate}[phase]()
+def batch():
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "m", "input": f"line {i}"}} for i in range(20)]
+    lines.append({"custom_id": "c0", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}})
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": 5}})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("input.jsonl", data), purpose="batch")
+    check("file uploaded", uploaded.id.startswith("file-") and uploaded.bytes == len(data) and uploaded.purpose == "batch",
+          str(uploaded))
+    check("file retrieved", client.files.retrieve(uploaded.id).filename == "input.jsonl")
+    check("file content", client.files.content(uploaded.id).content == data)
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h",
+                                    metadata={"run": "sdk"})
+    check("batch created", created.status == "validating" and created.metadata == {"run": "sdk"}, str(created))
+    deadline = time.time() + 300
+    done = created
+    while done.status not in ("completed", "failed", "expired", "cancelled") and time.time() < deadline:
+        time.sleep(0.5)
+        done = client.batches.retrieve(created.id)
+    counts = done.request_counts
+    check("batch completed", done.status == "completed" and counts.total == 22 and counts.completed == 21 and counts.failed == 1,
+          str(done))
+    answers = [json.loads(l) for l in client.files.content(done.output_file_id).text.splitlines()]
+    check("output file", sorted(a["custom_id"] for a in answers) == sorted(l["custom_id"] for l in lines[:21])
+          and all(a["response"]["status_code"] == 200 for a in answers), str(answers[:1]))
+    embedding = next(a for a in answers if a["custom_id"] == "e0")["response"]["body"]["data"][0]["embedding"]
+    check("an answer is the route's own", len(embedding) == 384, str(len(embedding)))
+    errors = [json.loads(l) for l in client.files.content(done.error_file_id).text.splitlines()]
+    check("error file", [e["custom_id"] for e in errors] == ["bad"]
+          and errors[0]["response"]["body"]["error"]["code"] == "invalid_request", str(errors))
+    listed = client.batches.list(limit=10)
+    check("batches listed", created.id in [b.id for b in listed.data])
+    again = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    canceled = client.batches.cancel(again.id)
+    check("batch cancel", canceled.status in ("cancelling", "cancelled"), canceled.status)
+    while canceled.status == "cancelling" and time.time() < deadline:
+        time.sleep(0.5)
+        canceled = client.batches.retrieve(again.id)
+    check("batch cancelled", canceled.status == "cancelled", str(canceled))
+    expect_error("bad endpoint", lambda: client.batches.create(input_file_id=uploaded.id, endpoint="/v1/moderations",
+                                                               completion_window="24h"), 400, "invalid_endpoint", "endpoint")
+    expect_error("missing file", lambda: client.batches.retrieve("batch_nope"), 404, "batch_not_found")
+    check("file deleted", client.files.delete(uploaded.id).deleted)
+    expect_error("deleted file", lambda: client.files.retrieve(uploaded.id), 404, "file_not_found")
+
+
+{"main": main, "translate": translate, "batch": batch}[phase]()
 print("all checks passed")

@@ -56,6 +56,8 @@ async fn the_openai_sdk_runs_against_tern_unchanged() {
     assert!(kinds["generate"].as_i64().unwrap() >= 4, "{kinds}");
     let failed: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state <> 'succeeded'").fetch_one(&cluster.pg).await.unwrap();
     assert_eq!(failed, 0, "every job the SDK's requests made succeeded");
+    // The Batch API through the SDK: a batch run to its files, another canceled.
+    run_checks(&cluster, "batch");
 
     // A client that hangs up cancels its job: a long streamed generation, dropped after its
     // first chunk.

@@ -45,36 +45,29 @@ impl Format {
     }
 }
 
-/// A transcription request's fields.
-struct Request {
-    file: Bytes,
+/// A transcription or translation request's options: every field but the file.
+pub struct Transcription {
+    /// `transcribe` or `translate`.
+    task: &'static str,
     language: Option<String>,
     format: Format,
     stream: bool,
+    word_timestamps: bool,
 }
 
-/// Reads the multipart form; refuses what tern cannot honour rather than ignoring it.
-async fn read(mut form: Multipart) -> Result<Request, OpenAiError> {
-    let bad_form = |e: axum::extract::multipart::MultipartError| {
-        let status = e.status();
-        OpenAiError { status, code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None }
-    };
-    let mut file = None;
-    let (mut language, mut format, mut stream) = (None, Format::Json, false);
-    let mut word_timestamps = false;
-    while let Some(field) = form.next_field().await.map_err(bad_form)? {
-        let name = field.name().unwrap_or_default().to_string();
-        if name == "file" {
-            file = Some(field.bytes().await.map_err(bad_form)?);
-            continue;
-        }
-        let value = field.text().await.map_err(bad_form)?;
-        match name.as_str() {
+impl Transcription {
+    fn new(task: &'static str) -> Transcription {
+        Transcription { task, language: None, format: Format::Json, stream: false, word_timestamps: false }
+    }
+
+    /// Takes one form field; refuses what tern cannot honour rather than ignoring it.
+    fn set(&mut self, name: &str, value: String) -> Result<(), OpenAiError> {
+        match name {
             // Any model name: the workers' Whisper model runs (its name is in verbose_json).
             "model" => {}
-            "language" if !value.is_empty() => language = Some(value),
-            "response_format" => format = Format::parse(&value)?,
-            "stream" => stream = value == "true",
+            "language" if !value.is_empty() => self.language = Some(value),
+            "response_format" => self.format = Format::parse(&value)?,
+            "stream" => self.stream = value == "true",
             "temperature" => {
                 let t: f64 = value.parse().map_err(|_| OpenAiError::invalid("invalid_temperature", "temperature must be a number", "temperature"))?;
                 if t != 0.0 {
@@ -86,20 +79,115 @@ async fn read(mut form: Multipart) -> Result<Request, OpenAiError> {
             }
             "timestamp_granularities[]" | "timestamp_granularities" => match value.as_str() {
                 "segment" => {}
-                "word" => word_timestamps = true,
+                "word" => self.word_timestamps = true,
                 other => return Err(OpenAiError::invalid("invalid_timestamp_granularity", format!("{other:?}: use segment or word"), "timestamp_granularities")),
             },
             _ => {}
         }
+        Ok(())
     }
-    if word_timestamps {
-        return Err(OpenAiError::unsupported("timestamp_granularities", "tern gives segment timestamps only, not word timestamps yet"));
+
+    /// Checks the options together, once every field is in.
+    fn check(self) -> Result<Transcription, OpenAiError> {
+        if self.word_timestamps {
+            return Err(OpenAiError::unsupported("timestamp_granularities", "tern gives segment timestamps only, not word timestamps yet"));
+        }
+        if self.stream && self.format != Format::Json && self.format != Format::Text {
+            return Err(OpenAiError::unsupported("stream", "streamed transcripts are text: response_format json or text"));
+        }
+        Ok(self)
+    }
+
+    /// A request given as JSON (a batch line's `body`): the form's fields, with `file` an
+    /// http(s) URL or an upload key (`POST /v1/uploads`). Returns the options and the file as
+    /// the job's input names it.
+    pub fn from_json(body: &Value, task: &'static str) -> Result<(Transcription, Value), OpenAiError> {
+        let fields = body.as_object().ok_or_else(|| OpenAiError::invalid("invalid_request", "the body must be a JSON object", "body"))?;
+        let mut request = Transcription::new(task);
+        let mut file = None;
+        for (name, value) in fields {
+            let text = |v: &Value| match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            match (name.as_str(), value) {
+                ("file", Value::String(f)) if f.starts_with("http://") || f.starts_with("https://") => file = Some(json!({ "url": f })),
+                ("file", Value::String(f)) if !f.is_empty() => file = Some(json!({ "upload_key": f })),
+                ("file", _) => {}
+                ("timestamp_granularities", Value::Array(items)) => {
+                    for item in items {
+                        request.set(name, text(item))?;
+                    }
+                }
+                (_, Value::Null) => {}
+                _ => request.set(name, text(value))?,
+            }
+        }
+        let file = file.ok_or_else(|| OpenAiError::invalid("invalid_file", "\"file\" must be an http(s) URL or an upload key", "file"))?;
+        Ok((request.check()?, file))
+    }
+
+    /// Whether it asks for a stream of transcript events.
+    pub fn stream(&self) -> bool {
+        self.stream
+    }
+
+    /// The `transcribe` job it runs as (`POST /v1/jobs`'s body), for the audio `file` (a file
+    /// reference as job inputs take them).
+    pub fn job_request(&self, file: Value) -> Value {
+        let mut input = json!({ "audio": file, "task": self.task });
+        if let Some(language) = &self.language {
+            input["language"] = json!(language);
+        }
+        json!({ "kind": "transcribe", "input": input })
+    }
+
+    /// OpenAI's answer from the finished job's output, as JSON; text formats (`text`, `srt`,
+    /// `vtt`) are a JSON string.
+    pub fn response_value(&self, output: &Value) -> Value {
+        match self.answer(output) {
+            Answer::Json(v) => v,
+            Answer::Plain(text, _) => json!(text),
+        }
+    }
+
+    fn answer(&self, output: &Value) -> Answer {
+        let text = output["text"].as_str().unwrap_or_default().trim().to_string();
+        match self.format {
+            Format::Json => Answer::Json(json!({ "text": text, "usage": usage(output) })),
+            Format::Text => Answer::Plain(format!("{text}\n"), "text/plain; charset=utf-8"),
+            Format::Srt => Answer::Plain(subtitles(output, false), "application/x-subrip; charset=utf-8"),
+            Format::Vtt => Answer::Plain(subtitles(output, true), "text/vtt; charset=utf-8"),
+            Format::VerboseJson => Answer::Json(verbose(output, self.task, &text)),
+        }
+    }
+}
+
+/// A transcription answer: JSON, or text with its content type.
+enum Answer {
+    Json(Value),
+    Plain(String, &'static str),
+}
+
+/// Reads the multipart form: the file and the options.
+async fn read(mut form: Multipart, task: &'static str) -> Result<(Transcription, Bytes), OpenAiError> {
+    let bad_form = |e: axum::extract::multipart::MultipartError| {
+        let status = e.status();
+        OpenAiError { status, code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None }
+    };
+    let mut request = Transcription::new(task);
+    let mut file = None;
+    while let Some(field) = form.next_field().await.map_err(bad_form)? {
+        let name = field.name().unwrap_or_default().to_string();
+        if name == "file" {
+            file = Some(field.bytes().await.map_err(bad_form)?);
+            continue;
+        }
+        let value = field.text().await.map_err(bad_form)?;
+        request.set(&name, value)?;
     }
     let file = file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))?;
-    if stream && format != Format::Json && format != Format::Text {
-        return Err(OpenAiError::unsupported("stream", "streamed transcripts are text: response_format json or text"));
-    }
-    Ok(Request { file, language, format, stream })
+    Ok((request.check()?, file))
 }
 
 /// Transcribe audio.
@@ -112,16 +200,12 @@ pub async fn translations(state: State<AppState>, caller: Caller, headers: Heade
     run(state, caller, headers, form, "translate").await
 }
 
-async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart, task: &str) -> Result<Response, OpenAiError> {
+async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart, task: &'static str) -> Result<Response, OpenAiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
-    let request = read(form).await?;
+    let (request, file) = read(form, task).await?;
     let key = format!("{UPLOAD_PREFIX}{}/{}", crate::routes::uploads::tenant_segment(&tenant), Uuid::now_v7());
-    state.objects.put(&key, request.file, "application/octet-stream").await.map_err(crate::error::ApiError::from)?;
-    let mut input = json!({ "audio": { "upload_key": key }, "task": task });
-    if let Some(language) = &request.language {
-        input["language"] = json!(language);
-    }
-    let mut waited = Waited::submit(&state, &tenant, json!({ "kind": "transcribe", "input": input }), &headers).await?;
+    state.objects.put(&key, file, "application/octet-stream").await.map_err(crate::error::ApiError::from)?;
+    let mut waited = Waited::submit(&state, &tenant, request.job_request(json!({ "upload_key": key })), &headers).await?;
     let job_header = waited.header();
     if request.stream {
         // The transcript comes segment by segment once the job finished; comments keep the
@@ -140,16 +224,11 @@ async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, 
     }
     let job = waited.finished().await?;
     let output = waited.output(&job).await?;
-    let text = output["text"].as_str().unwrap_or_default().trim().to_string();
-    let plain = |body: String, content_type: &'static str| {
-        (StatusCode::OK, [job_header.clone(), (header::CONTENT_TYPE, content_type.parse().expect("a content type"))], body).into_response()
-    };
-    Ok(match request.format {
-        Format::Json => ([job_header], Json(json!({ "text": text, "usage": usage(&output) }))).into_response(),
-        Format::Text => plain(format!("{text}\n"), "text/plain; charset=utf-8"),
-        Format::Srt => plain(subtitles(&output, false), "application/x-subrip; charset=utf-8"),
-        Format::Vtt => plain(subtitles(&output, true), "text/vtt; charset=utf-8"),
-        Format::VerboseJson => ([job_header], Json(verbose(&output, task, &text))).into_response(),
+    Ok(match request.answer(&output) {
+        Answer::Json(v) => ([job_header], Json(v)).into_response(),
+        Answer::Plain(body, content_type) => {
+            (StatusCode::OK, [job_header, (header::CONTENT_TYPE, content_type.parse().expect("a content type"))], body).into_response()
+        }
     })
 }
 

@@ -15,13 +15,14 @@ use axum::Json;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 use std::time::Duration;
+use tern_jobs::Job;
 
 /// How often a stream looks for new text.
 const STREAM_POLL: Duration = Duration::from_millis(100);
 
 /// Chat or plain completion.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Flavour {
+pub enum Flavour {
     Chat,
     Text,
 }
@@ -152,6 +153,55 @@ pub async fn completions(state: State<AppState>, caller: Caller, headers: Header
     complete(state, caller, headers, body, Flavour::Text).await
 }
 
+/// A completion request, read from its JSON body.
+pub struct Completion {
+    flavour: Flavour,
+    /// The `generate` job's input.
+    input: Value,
+    stream: bool,
+    include_usage: bool,
+    /// The model the request named.
+    model: Value,
+}
+
+impl Completion {
+    pub fn parse(value: &Value, flavour: Flavour) -> Result<Completion, OpenAiError> {
+        let body = value.as_object().ok_or_else(|| invalid("body", "the body must be a JSON object"))?;
+        Ok(Completion {
+            flavour,
+            input: generate_input(body, flavour)?,
+            stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+            include_usage: body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false),
+            model: body.get("model").cloned().unwrap_or(Value::Null),
+        })
+    }
+
+    /// Whether it asks for a stream of chunks.
+    pub fn stream(&self) -> bool {
+        self.stream
+    }
+
+    /// The `generate` job it runs as (`POST /v1/jobs`'s body).
+    pub fn job_request(&self) -> Value {
+        json!({ "kind": "generate", "input": self.input })
+    }
+
+    /// OpenAI's whole answer from the finished job's output.
+    pub fn response(&self, job: &Job, output: &Value) -> Value {
+        let (id, created, model) = (self.flavour.id(job.id), job.created_at.timestamp(), output["model"].clone());
+        let text = output["text"].clone();
+        let finish_reason = output["finish_reason"].clone();
+        let choice = match self.flavour {
+            Flavour::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text, "refusal": null }, "finish_reason": finish_reason, "logprobs": null }),
+            Flavour::Text => json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null }),
+        };
+        json!({
+            "id": id, "object": self.flavour.object(), "created": created, "model": model,
+            "choices": [choice], "usage": usage(output), "system_fingerprint": null,
+        })
+    }
+}
+
 async fn complete(
     State(state): State<AppState>,
     caller: Caller,
@@ -160,16 +210,11 @@ async fn complete(
     flavour: Flavour,
 ) -> Result<Response, OpenAiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
-    let value = crate::extract::json_value(body)?;
-    let body = value.as_object().ok_or_else(|| invalid("body", "the body must be a JSON object"))?;
-    let input = generate_input(body, flavour)?;
-    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
-    let mut waited = Waited::submit(&state, &tenant, json!({ "kind": "generate", "input": input }), &headers).await?;
+    let request = Completion::parse(&crate::extract::json_value(body)?, flavour)?;
+    let mut waited = Waited::submit(&state, &tenant, request.job_request(), &headers).await?;
     let job_header = waited.header();
-    if stream {
-        let model = body.get("model").cloned().unwrap_or(Value::Null);
-        let streamed = Streamed { state: state.clone(), waited, flavour, model, sent: 0, include_usage, done: false };
+    if request.stream {
+        let streamed = Streamed { state: state.clone(), waited, flavour, model: request.model, sent: 0, include_usage: request.include_usage, done: false };
         let events = futures::stream::unfold(streamed, |mut s| async move {
             if s.done {
                 return None;
@@ -182,18 +227,7 @@ async fn complete(
     }
     let job = waited.finished().await?;
     let output = waited.output(&job).await?;
-    let (id, created, model) = (flavour.id(job.id), job.created_at.timestamp(), output["model"].clone());
-    let text = output["text"].clone();
-    let finish_reason = output["finish_reason"].clone();
-    let choice = match flavour {
-        Flavour::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text, "refusal": null }, "finish_reason": finish_reason, "logprobs": null }),
-        Flavour::Text => json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null }),
-    };
-    Ok(([job_header], Json(json!({
-        "id": id, "object": flavour.object(), "created": created, "model": model,
-        "choices": [choice], "usage": usage(&output), "system_fingerprint": null,
-    })))
-    .into_response())
+    Ok(([job_header], Json(request.response(&job, &output))).into_response())
 }
 
 fn usage(output: &Value) -> Value {

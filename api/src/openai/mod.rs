@@ -1,6 +1,7 @@
 //! OpenAI-compatible routes, so that code written against OpenAI's API (its SDKs, LangChain,
 //! LiteLLM) runs on tern unchanged: `POST /v1/audio/transcriptions`, `/v1/audio/translations`,
-//! `/v1/embeddings`, `/v1/chat/completions`, `/v1/completions`, and `GET /v1/models`.
+//! `/v1/embeddings`, `/v1/chat/completions`, `/v1/completions`, `GET /v1/models`, and the
+//! Batch API over them (`/v1/files`, `/v1/batches`, see [`batch`]).
 //!
 //! Each request is a job like any other: the same API keys (`Authorization: Bearer`), checks,
 //! tenant limits, queue, priority (`X-Tern-Priority`, default `normal`), metrics and timeline.
@@ -11,9 +12,12 @@
 //! These routes follow OpenAI's own API reference, so `/openapi.json` leaves them out.
 
 pub mod audio;
+pub mod batch;
 pub mod chat;
 pub mod embeddings;
+pub mod files;
 pub mod models;
+pub mod route;
 
 use crate::error::ApiError;
 use crate::routes::jobs::{self, Created};
@@ -30,8 +34,9 @@ use std::time::Duration;
 use tern_jobs::{Job, JobState};
 use uuid::Uuid;
 
-/// The routes. `max_audio_upload` bounds the multipart body of the audio routes.
-pub fn router(max_audio_upload: usize) -> Router<AppState> {
+/// The routes. `max_audio_upload` bounds the multipart body of the audio routes,
+/// `max_batch_file` that of `POST /v1/files`.
+pub fn router(max_audio_upload: usize, max_batch_file: usize) -> Router<AppState> {
     Router::new()
         .route(
             "/v1/audio/transcriptions",
@@ -41,6 +46,12 @@ pub fn router(max_audio_upload: usize) -> Router<AppState> {
         .route("/v1/embeddings", post(embeddings::create))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(chat::completions))
+        .route("/v1/files", post(files::upload).layer(DefaultBodyLimit::max(max_batch_file)).get(files::list))
+        .route("/v1/files/{id}", get(files::get).delete(files::delete))
+        .route("/v1/files/{id}/content", get(files::content))
+        .route("/v1/batches", post(batch::routes::create).get(batch::routes::list))
+        .route("/v1/batches/{id}", get(batch::routes::get))
+        .route("/v1/batches/{id}/cancel", post(batch::routes::cancel))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{id}", get(models::get))
         .layer(axum::middleware::from_fn(openai_errors))
@@ -124,7 +135,7 @@ async fn openai_errors(request: Request, next: Next) -> Response {
 }
 
 /// The priority a request asks for with `X-Tern-Priority` (OpenAI's API has none).
-fn priority(headers: &HeaderMap) -> Result<Option<String>, OpenAiError> {
+pub(crate) fn priority(headers: &HeaderMap) -> Result<Option<String>, OpenAiError> {
     let Some(value) = headers.get("x-tern-priority") else { return Ok(None) };
     let value = value.to_str().unwrap_or_default();
     value.parse::<tern_jobs::Priority>().map_err(|()| {
@@ -179,31 +190,7 @@ impl Waited {
     /// The finished job's output JSON (inline, or read from object storage); a failed or
     /// canceled job's error.
     pub async fn output(&self, job: &Job) -> Result<Value, OpenAiError> {
-        match job.state {
-            JobState::Succeeded => {}
-            JobState::Failed => {
-                let (code, message) =
-                    job.error.as_ref().map_or(("failed", "the job failed"), |f| (f.code.as_str(), f.message.as_str()));
-                let status =
-                    if CLIENT_FAULTS.contains(&code) { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
-                return Err(OpenAiError { status, code: code.into(), message: format!("job {}: {message}", job.id), param: None });
-            }
-            _ => {
-                return Err(OpenAiError {
-                    status: StatusCode::CONFLICT,
-                    code: "job_canceled".into(),
-                    message: format!("job {} was canceled", job.id),
-                    param: None,
-                })
-            }
-        }
-        let internal = |message: String| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message);
-        let output = job.output.as_ref().ok_or_else(|| internal("a succeeded job without output".into()))?;
-        if let Some(inline) = &output.inline {
-            return Ok(inline.clone());
-        }
-        let bytes = self.state.objects.get(&output.key, output.size.max(0) as u64).await.map_err(ApiError::from)?;
-        Ok(serde_json::from_slice(&bytes).map_err(|e| internal(format!("the job's output is not JSON: {e}")))?)
+        job_output(&self.state, job).await
     }
 
     /// The job's id as the `X-Tern-Job-Id` header.
@@ -227,8 +214,37 @@ impl Drop for Waited {
     }
 }
 
+/// A finished job's output JSON (inline, or read from object storage); a failed or canceled
+/// job's error, as OpenAI's routes answer it.
+pub async fn job_output(state: &AppState, job: &Job) -> Result<Value, OpenAiError> {
+    match job.state {
+        JobState::Succeeded => {}
+        JobState::Failed => {
+            let (code, message) =
+                job.error.as_ref().map_or(("failed", "the job failed"), |f| (f.code.as_str(), f.message.as_str()));
+            let status = if CLIENT_FAULTS.contains(&code) { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+            return Err(OpenAiError { status, code: code.into(), message: format!("job {}: {message}", job.id), param: None });
+        }
+        _ => {
+            return Err(OpenAiError {
+                status: StatusCode::CONFLICT,
+                code: "job_canceled".into(),
+                message: format!("job {} was canceled", job.id),
+                param: None,
+            })
+        }
+    }
+    let internal = |message: String| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message);
+    let output = job.output.as_ref().ok_or_else(|| internal("a succeeded job without output".into()))?;
+    if let Some(inline) = &output.inline {
+        return Ok(inline.clone());
+    }
+    let bytes = state.objects.get(&output.key, output.size.max(0) as u64).await.map_err(ApiError::from)?;
+    Ok(serde_json::from_slice(&bytes).map_err(|e| internal(format!("the job's output is not JSON: {e}")))?)
+}
+
 /// Job failures that are the request's fault: 400, not 500.
-const CLIENT_FAULTS: &[&str] = &[
+pub(crate) const CLIENT_FAULTS: &[&str] = &[
     "audio_unreadable",
     "audio_empty",
     "audio_too_long",

@@ -16,6 +16,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::HashMap;
+use std::time::Duration;
 use tern_jobs::queue::Enqueue;
 use tern_jobs::store::{CancelOutcome, ListFilter};
 use tern_jobs::{Job, JobKind, JobState, NewJob};
@@ -70,7 +71,7 @@ async fn views(state: &AppState, jobs: &[Job]) -> Result<Vec<Value>, ApiError> {
 }
 
 /// Refuses work past the queue's configured depth.
-async fn admit(state: &AppState, tenant: &str, jobs: &[NewJob]) -> Result<(), ApiError> {
+pub(crate) async fn admit(state: &AppState, tenant: &str, jobs: &[NewJob]) -> Result<(), ApiError> {
     if let (Some(cap), false) = (state.limits.max_queued_per_tenant, jobs.is_empty()) {
         let waiting = state.store.waiting_for_tenant(tenant).await?;
         if waiting + jobs.len() as i64 > cap {
@@ -109,7 +110,7 @@ async fn admit(state: &AppState, tenant: &str, jobs: &[NewJob]) -> Result<(), Ap
 
 /// Inserts checked jobs in one transaction and enqueues them. A Redis failure after the commit
 /// is not the client's problem: the jobs are recorded, and the reconciler enqueues them.
-async fn insert_and_enqueue(state: &AppState, jobs: &[NewJob]) -> Result<Vec<Job>, ApiError> {
+pub(crate) async fn insert_and_enqueue(state: &AppState, jobs: &[NewJob]) -> Result<Vec<Job>, ApiError> {
     let inserted = state.store.insert(jobs).await?;
     for j in &inserted {
         metrics::counter!("tern_jobs_submitted_total", "kind" => j.kind.as_str(), "priority" => j.priority.as_str()).increment(1);
@@ -321,29 +322,72 @@ pub(crate) fn parse_id(id: &str) -> Result<Uuid, ApiError> {
 }
 
 /// The caller's job `id`: another tenant's job is 404, exactly like a missing one.
-async fn own_job(state: &AppState, tenant: &str, id: Uuid) -> Result<Job, ApiError> {
+pub(crate) async fn own_job(state: &AppState, tenant: &str, id: Uuid) -> Result<Job, ApiError> {
     state.store.get(id).await?.filter(|j| j.tenant == tenant).ok_or_else(ApiError::not_found)
+}
+
+/// Longest `?wait=` of `GET /v1/jobs/{id}`.
+pub const WAIT_MAX: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Deserialize)]
+pub struct GetQuery {
+    wait: Option<String>,
+}
+
+/// A wait as `?wait=` gives it: `30s`, `1500ms`, or bare seconds; at most [`WAIT_MAX`].
+fn parse_wait(wait: &str) -> Option<Duration> {
+    let (number, unit) = match wait.strip_suffix("ms") {
+        Some(ms) => (ms, 1),
+        None => (wait.strip_suffix('s').unwrap_or(wait), 1000),
+    };
+    let n: u64 = number.parse().ok().filter(|_| !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))?;
+    Some(Duration::from_millis(n.checked_mul(unit)?)).filter(|d| *d <= WAIT_MAX)
 }
 
 /// Get a job.
 ///
 /// `GET /v1/jobs/{id}`: its state, timings, attempts, error, `queue_position` while queued,
-/// `progress` while it runs, `output` with presigned URLs once it succeeded.
+/// `progress` while it runs, `output` with presigned URLs once it succeeded. With
+/// `?wait=30s` (at most 60 s) it answers once the job has finished, or when the wait is over.
 #[utoipa::path(
     get,
     path = "/v1/jobs/{id}",
     operation_id = "get_job",
     tag = "jobs",
-    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    params(
+        ("id" = uuid::Uuid, Path, description = "The job's id"),
+        ("wait" = Option<String>, Query, pattern = "^[0-9]{1,5}(ms|s)?$", description = "Long-poll: answer once the job finished, or after this long (`30s`, `1500ms`, bare seconds; at most 60 s), whichever comes first"),
+    ),
     responses(
         (status = 200, description = "The job", body = openapi::Job),
+        (status = 400, description = "`invalid_wait`: not a duration, or over 60 s", body = openapi::Error),
         (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
     ),
     security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
 )]
-pub async fn get(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn get(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<GetQuery>,
+) -> Result<Json<Value>, ApiError> {
     let tenant = &caller.require("jobs:read")?.tenant;
-    let job = own_job(&state, tenant, parse_id(&id)?).await?;
+    let wait = q
+        .wait
+        .as_deref()
+        .map(|w| parse_wait(w).ok_or_else(|| ApiError::bad_request("invalid_wait", format!("wait {w:?}: a duration like 30s or 1500ms, at most 60s"))))
+        .transpose()?;
+    let id = parse_id(&id)?;
+    let mut job = own_job(&state, tenant, id).await?;
+    if let Some(wait) = wait {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut pause = Duration::from_millis(50);
+        while !job.state.is_terminal() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(deadline)).await;
+            pause = (pause * 3 / 2).min(Duration::from_millis(250));
+            job = own_job(&state, tenant, id).await?;
+        }
+    }
     Ok(Json(job_view(&state, &job, true).await?))
 }
 
@@ -562,4 +606,20 @@ pub async fn replay(State(state): State<AppState>, caller: Caller, Path(id): Pat
         return Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no delivery {id}")));
     }
     Ok((StatusCode::ACCEPTED, Json(json!({ "delivery_id": id, "state": "pending" }))).into_response())
+}
+
+#[cfg(test)]
+mod wait_tests {
+    use super::*;
+
+    #[test]
+    fn waits_are_durations_up_to_a_minute() {
+        assert_eq!(parse_wait("30s"), Some(Duration::from_secs(30)));
+        assert_eq!(parse_wait("30"), Some(Duration::from_secs(30)));
+        assert_eq!(parse_wait("1500ms"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_wait("60s"), Some(WAIT_MAX));
+        for bad in ["61s", "", "s", "-1s", "1.5s", "1m", "99999999999999999999"] {
+            assert_eq!(parse_wait(bad), None, "{bad}");
+        }
+    }
 }

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod dashboard;
 pub mod endpoints;
 pub mod health;
+pub mod job_stream;
 pub mod jobs;
 pub mod metrics;
 pub mod models;
@@ -36,6 +37,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::submit_batch))
         .routes(routes!(jobs::get))
         .routes(routes!(jobs::events))
+        .routes(routes!(job_stream::stream))
         .routes(routes!(jobs::cancel))
         .routes(routes!(jobs::deliveries))
         .routes(routes!(jobs::replay))
@@ -66,7 +68,7 @@ pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
     let (documented, _) = api().split_for_parts();
     documented
         // OpenAI's routes, as its own API reference describes them: not in this document.
-        .merge(crate::openai::router(state.limits.max_audio_upload_bytes))
+        .merge(crate::openai::router(state.limits.max_audio_upload_bytes, state.limits.max_batch_file_bytes))
         // The dashboard's static files are a page, not API: they stay out of the document.
         .route("/admin", get(dashboard::index))
         .route("/admin/app.js", get(dashboard::script))
