@@ -140,7 +140,7 @@ async fn a_get_can_wait_for_the_job_to_finish() {
     let _worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "embed")]).unwrap();
     let (status, done) = cluster.get(&format!("/v1/jobs/{id}?wait=60s")).await.unwrap();
     assert_eq!((status, done["state"].as_str()), (200, Some("succeeded")), "{done}");
-    for bad in ["61s", "soon", "1.5s"] {
+    for bad in ["61s", "soon", "1.5s", "1500ms"] {
         let (status, error) = cluster.get(&format!("/v1/jobs/{id}?wait={bad}")).await.unwrap();
         assert_eq!((status, error["error"]["code"].as_str()), (400, Some("invalid_wait")), "{bad}");
     }

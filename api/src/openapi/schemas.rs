@@ -375,6 +375,20 @@ pub struct WebhookMessage {
     pub data: Job,
 }
 
+/// One server-sent event of `GET /v1/jobs/{id}/stream`.
+#[derive(Serialize, ToSchema)]
+pub struct JobStreamEvent {
+    /// `state` (a timeline entry), `progress` (`{done, total}`), `text` (`{delta, offset}`),
+    /// `job` (the finished job, the last event), or `error` (`{code, message}`).
+    #[schema(pattern = "^(state|progress|text|job|error)$")]
+    pub event: String,
+    /// Resume after this event with `Last-Event-ID`: `{timeline id}` or `{timeline id}.{text bytes}`.
+    #[schema(pattern = "^[0-9]+(\\.[0-9]+)?$")]
+    pub id: String,
+    /// The event's JSON.
+    pub data: String,
+}
+
 /// A delivery queued again.
 #[derive(Serialize, ToSchema)]
 pub struct Replayed {

@@ -71,7 +71,7 @@ impl Cursor {
         ("Last-Event-ID" = Option<String>, Header, description = "The id of the last event received: the stream resumes after it"),
     ),
     responses(
-        (status = 200, description = "`text/event-stream`: events `state`, `progress`, `text`, then `job`", content_type = "text/event-stream", body = String),
+        (status = 200, description = "`text/event-stream`: events `state`, `progress`, `text`, then `job`", content_type = "text/event-stream", body = openapi::JobStreamEvent),
         (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
     ),
     security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),

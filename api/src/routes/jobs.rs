@@ -334,21 +334,20 @@ pub struct GetQuery {
     wait: Option<String>,
 }
 
-/// A wait as `?wait=` gives it: `30s`, `1500ms`, or bare seconds; at most [`WAIT_MAX`].
+/// A wait as `?wait=` gives it: whole seconds, 0 to 60, `s` optional (`30s`, `30`); no
+/// leading zeros, exactly as the documented pattern says.
 fn parse_wait(wait: &str) -> Option<Duration> {
-    let (number, unit) = match wait.strip_suffix("ms") {
-        Some(ms) => (ms, 1),
-        None => (wait.strip_suffix('s').unwrap_or(wait), 1000),
-    };
-    let n: u64 = number.parse().ok().filter(|_| !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))?;
-    Some(Duration::from_millis(n.checked_mul(unit)?)).filter(|d| *d <= WAIT_MAX)
+    let digits = wait.strip_suffix('s').unwrap_or(wait);
+    let canonical = !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) && (digits == "0" || !digits.starts_with('0'));
+    let seconds: u64 = digits.parse().ok().filter(|_| canonical && digits.len() <= 2)?;
+    Some(Duration::from_secs(seconds)).filter(|d| *d <= WAIT_MAX)
 }
 
 /// Get a job.
 ///
 /// `GET /v1/jobs/{id}`: its state, timings, attempts, error, `queue_position` while queued,
 /// `progress` while it runs, `output` with presigned URLs once it succeeded. With
-/// `?wait=30s` (at most 60 s) it answers once the job has finished, or when the wait is over.
+/// `?wait=30s` (0 to 60 s) it answers once the job has finished, or when the wait is over.
 #[utoipa::path(
     get,
     path = "/v1/jobs/{id}",
@@ -356,11 +355,11 @@ fn parse_wait(wait: &str) -> Option<Duration> {
     tag = "jobs",
     params(
         ("id" = uuid::Uuid, Path, description = "The job's id"),
-        ("wait" = Option<String>, Query, pattern = "^[0-9]{1,5}(ms|s)?$", description = "Long-poll: answer once the job finished, or after this long (`30s`, `1500ms`, bare seconds; at most 60 s), whichever comes first"),
+        ("wait" = Option<String>, Query, pattern = "^([0-9]|[1-5][0-9]|60)s?$", description = "Long-poll: answer once the job finished, or after this many seconds (`30s` or `30`; 0 to 60), whichever comes first"),
     ),
     responses(
         (status = 200, description = "The job", body = openapi::Job),
-        (status = 400, description = "`invalid_wait`: not a duration, or over 60 s", body = openapi::Error),
+        (status = 400, description = "`invalid_wait`: not whole seconds from 0 to 60", body = openapi::Error),
         (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
     ),
     security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
@@ -375,7 +374,7 @@ pub async fn get(
     let wait = q
         .wait
         .as_deref()
-        .map(|w| parse_wait(w).ok_or_else(|| ApiError::bad_request("invalid_wait", format!("wait {w:?}: a duration like 30s or 1500ms, at most 60s"))))
+        .map(|w| parse_wait(w).ok_or_else(|| ApiError::bad_request("invalid_wait", format!("wait {w:?}: whole seconds from 0 to 60, like 30s"))))
         .transpose()?;
     let id = parse_id(&id)?;
     let mut job = own_job(&state, tenant, id).await?;
@@ -613,12 +612,12 @@ mod wait_tests {
     use super::*;
 
     #[test]
-    fn waits_are_durations_up_to_a_minute() {
+    fn waits_are_whole_seconds_up_to_a_minute() {
         assert_eq!(parse_wait("30s"), Some(Duration::from_secs(30)));
         assert_eq!(parse_wait("30"), Some(Duration::from_secs(30)));
-        assert_eq!(parse_wait("1500ms"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_wait("0"), Some(Duration::ZERO));
         assert_eq!(parse_wait("60s"), Some(WAIT_MAX));
-        for bad in ["61s", "", "s", "-1s", "1.5s", "1m", "99999999999999999999"] {
+        for bad in ["61s", "", "s", "-1s", "1.5s", "1m", "05s", "1500ms", "99999999999999999999"] {
             assert_eq!(parse_wait(bad), None, "{bad}");
         }
     }
