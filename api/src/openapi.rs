@@ -398,6 +398,8 @@ mod tests {
         ("post", "/v1/admin/workers/{id}/drain"),
         ("post", "/v1/admin/workers/{id}/undrain"),
         ("get", "/v1/admin/system"),
+        ("post", "/v1/admin/jobs/{id}/run-now"),
+        ("get", "/v1/admin/history"),
         ("post", "/v1/admin/models"),
         ("get", "/v1/admin/models"),
         ("post", "/v1/admin/models/{kind}/rollback"),

@@ -158,6 +158,26 @@ impl Store {
         rows.iter().map(job_from_row).collect()
     }
 
+    /// Makes a scheduled job, or one waiting to retry, due now: `queued`, its `run_at` now.
+    /// `Ok(None)` if there is no such job waiting; make it due in Redis too
+    /// ([`Queue::run_now`](crate::Queue::run_now)).
+    pub async fn run_now(&self, id: Uuid) -> Result<Option<Job>> {
+        let sql = format!(
+            "WITH changed AS (
+                UPDATE jobs j SET state = 'queued', state_changed_at = now(), run_at = now()
+                WHERE j.id = $1 AND j.state IN ('scheduled', 'retrying')
+                RETURNING {cols}
+            ), events AS (
+                INSERT INTO job_events (job_id, state, attempt, detail)
+                SELECT id, 'queued', attempts, '{{\"run_now_by\": \"admin\"}}'::jsonb FROM changed
+            )
+            SELECT * FROM changed",
+            cols = prefixed_columns("j")
+        );
+        let row = sqlx::query(&sql).bind(id).fetch_optional(self.pool()).await?;
+        row.as_ref().map(job_from_row).transpose()
+    }
+
     /// Cancels the waiting (queued, scheduled, retrying) jobs of `kind`, at most
     /// [`ACTION_LIMIT`]; running jobs are left to finish. Returns the canceled ids.
     pub async fn purge_waiting(&self, kind: JobKind) -> Result<Vec<Uuid>> {

@@ -311,6 +311,15 @@ impl Queue {
         Ok(())
     }
 
+    /// Makes a delayed job due now (the next pull promotes it); a job not delayed is left as
+    /// it is.
+    pub async fn run_now(&self, kind: JobKind, id: Uuid) -> Result<()> {
+        let mut c = self.conn().await?;
+        let _: i64 = redis::cmd("ZADD").arg(self.key(kind, "delayed")).arg("XX").arg(0).arg(id.to_string()).query_async(&mut *c).await?;
+        self.wake(&mut c, kind).await;
+        Ok(())
+    }
+
     /// Removes a canceled waiting job, or flags a running one for its worker.
     pub async fn cancel(&self, kind: JobKind, id: Uuid, running: bool) -> Result<()> {
         let mut c = self.conn().await?;

@@ -28,6 +28,7 @@ pub struct ListFilter {
     pub tenant: Option<String>,
     pub state: Option<JobState>,
     pub kind: Option<JobKind>,
+    pub priority: Option<crate::Priority>,
     /// Only jobs older than this id (ids are UUID v7, so this is keyset pagination by age).
     pub before: Option<Uuid>,
     pub limit: i64,
@@ -245,6 +246,7 @@ impl Store {
             "SELECT {JOB_COLUMNS} FROM jobs
              WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR kind = $2)
                AND ($3::uuid IS NULL OR id < $3) AND ($5::text IS NULL OR tenant = $5)
+               AND ($6::text IS NULL OR priority = $6)
              ORDER BY id DESC LIMIT $4"
         );
         let rows = sqlx::query(&sql)
@@ -253,6 +255,7 @@ impl Store {
             .bind(filter.before)
             .bind(filter.limit)
             .bind(filter.tenant.as_deref())
+            .bind(filter.priority.map(crate::Priority::as_str))
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(job_from_row).collect()

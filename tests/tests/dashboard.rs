@@ -1,6 +1,8 @@
 //! The `/admin` dashboard driven in headless Chromium (playwright-core, `tests/dashboard/`):
-//! sign-in, a queue depth that follows submissions, and the Retry button of a failed job. The
-//! screenshot is kept as `tern-test-logs/dashboard.png` beside the test binaries.
+//! sign-in, a queue depth that follows submissions, Retry on a failed job, history charts and
+//! run times from the server (kept through a reload), the jobs browser's bulk cancel and delete,
+//! "run now" on a scheduled job, a job's page, a purge, and no console error. Screenshots are
+//! kept as `tern-test-logs/dashboard*.png` beside the test binaries.
 //!
 //! Needs `/usr/bin/chromium` (Debian `chromium`) and `npm ci` in `tests/dashboard`; the test
 //! script installs both. Without them the test says SKIPPED and passes, except under `CI=true`.
@@ -29,10 +31,16 @@ async fn an_operator_signs_in_sees_the_queue_grow_and_retries_a_failed_job() {
         .await
         .unwrap();
     let failed: Uuid = job["id"].as_str().unwrap().parse().unwrap();
+    let (_, ok) = cluster.post("/v1/jobs", &json!({"kind": "echo", "input": {"message": "fine"}})).await.unwrap();
+    let succeeded: Uuid = ok["id"].as_str().unwrap().parse().unwrap();
     cluster
-        .wait_until("the job fails", Duration::from_secs(20), || async { Ok(cluster.state_of(failed).await? == "failed") })
+        .wait_until("the jobs finish", Duration::from_secs(20), || async {
+            Ok(cluster.state_of(failed).await? == "failed" && cluster.state_of(succeeded).await? == "succeeded")
+        })
         .await
         .unwrap();
+    let (_, later) = cluster.post("/v1/jobs", &json!({"kind": "echo", "delay_ms": 3_600_000, "input": {}})).await.unwrap();
+    let scheduled = later["id"].as_str().unwrap().to_string();
     worker.terminate(Duration::from_secs(10)).unwrap();
 
     let screenshot = tern_e2e::bin_dir().join("tern-test-logs").join("dashboard.png");
@@ -40,13 +48,21 @@ async fn an_operator_signs_in_sees_the_queue_grow_and_retries_a_failed_job() {
     let out = Command::new("node")
         .current_dir(&script_dir)
         .env("CHROMIUM", &chromium)
-        .args(["dashboard.mjs", &cluster.url(""), &cluster.api_key, &failed.to_string()])
+        .args(["dashboard.mjs", &cluster.url(""), &cluster.api_key, &failed.to_string(), &scheduled])
         .arg(&screenshot)
         .output()
         .expect("running node");
     println!("{}", String::from_utf8_lossy(&out.stdout));
     assert!(out.status.success(), "dashboard script failed:\n{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert_eq!(cluster.state_of(failed).await.unwrap(), "queued");
+    // Retried from the browser (queued again), then canceled by its purge.
+    let (_, timeline) = cluster.get(&format!("/v1/jobs/{failed}/events")).await.unwrap();
+    let states: Vec<&str> = timeline["events"].as_array().unwrap().iter().map(|e| e["state"].as_str().unwrap()).collect();
+    assert!(states.ends_with(&["failed", "queued", "canceled"]), "{states:?}");
+    assert_eq!(cluster.state_of(scheduled.parse().unwrap()).await.unwrap(), "canceled", "run now queued it; the purge canceled it");
+    for page in ["dashboard-jobs.png", "dashboard-job.png"] {
+        let png = std::fs::read(tern_e2e::bin_dir().join("tern-test-logs").join(page)).expect("screenshot saved");
+        assert!(png.starts_with(b"\x89PNG"), "{page} is not a PNG");
+    }
     let png = std::fs::read(&screenshot).expect("screenshot saved");
     assert!(png.starts_with(b"\x89PNG"), "not a PNG");
 }

@@ -669,6 +669,21 @@ pub struct Drained {
     pub draining: bool,
 }
 
+/// `GET /v1/admin/history`.
+#[derive(Serialize, ToSchema)]
+pub struct History {
+    /// The minutes of the series, oldest first (each the start of its minute).
+    pub minutes: Vec<DateTime<Utc>>,
+    /// Per kind: `waiting`, `running` (at each minute's end), `succeeded`, `failed` (within
+    /// it), one number a minute.
+    #[schema(value_type = Object)]
+    pub kinds: serde_json::Value,
+    /// Per kind with jobs that succeeded in the span: their count and the p50/p90/p99 of their
+    /// run and wait (submit to start) seconds.
+    #[schema(value_type = Vec<Object>)]
+    pub timings: serde_json::Value,
+}
+
 /// The service at a glance.
 #[derive(Serialize, ToSchema)]
 pub struct SystemView {

@@ -5,6 +5,7 @@
 use super::jobs::{cancel_job, deliveries_of, job_view, list_page, parse_id, ListQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
+use chrono::DurationRound;
 use crate::extract::{ApiJson, ApiQuery};
 use crate::openapi;
 use crate::state::AppState;
@@ -298,12 +299,13 @@ pub async fn retry(State(state): State<AppState>, caller: Caller, ApiJson(req): 
         ("tenant" = Option<String>, Query, description = "Only this tenant's jobs"),
         ("state" = Option<openapi::JobState>, Query, description = "Only jobs in this state"),
         ("kind" = Option<openapi::JobKind>, Query, description = "Only jobs of this kind"),
+        ("priority" = Option<openapi::Priority>, Query, description = "Only jobs of this priority"),
         ("limit" = Option<i64>, Query, minimum = 1, maximum = 500, description = "Jobs per page, 1 to 500; default 50"),
         ("cursor" = Option<uuid::Uuid>, Query, description = "The previous page's `next_cursor`"),
     ),
     responses(
         (status = 200, description = "One page of jobs, newest first", body = openapi::JobList),
-        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`, `invalid_query` (a query string that cannot be read: a repeated key), `invalid_character` (a NUL)", body = openapi::Error),
+        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_priority`, `invalid_limit`, `invalid_cursor`, `invalid_query` (a query string that cannot be read: a repeated key), `invalid_character` (a NUL)", body = openapi::Error),
     ),
     security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
 )]
@@ -534,4 +536,131 @@ pub async fn system(State(state): State<AppState>, caller: Caller) -> Result<Jso
             "succeeded_last_1m": stats.iter().map(|s| s.succeeded.last_1m).sum::<i64>(),
         },
     })))
+}
+
+/// Run a scheduled job now.
+///
+/// `POST /v1/admin/jobs/{id}/run-now`: a scheduled job, or one waiting to retry, becomes due
+/// at once (`queued`); workers take it in priority order like any other.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/jobs/{id}/run-now",
+    operation_id = "admin_run_job_now",
+    tag = "admin",
+    params(("id" = uuid::Uuid, Path, description = "The job's id")),
+    responses(
+        (status = 200, description = "Now `queued`", body = openapi::Job),
+        (status = 404, description = "`not_found`", body = openapi::Error),
+        (status = 409, description = "`job_not_waiting`: it is not scheduled or waiting to retry", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
+pub async fn run_now(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let id = parse_id(&id)?;
+    let Some(job) = state.store.run_now(id).await? else {
+        let job = state.store.get(id).await?.ok_or_else(ApiError::not_found)?;
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "job_not_waiting",
+            format!("the job is {}: only a scheduled job or one waiting to retry can run now", job.state),
+        ));
+    };
+    state.queue.run_now(job.kind, job.id).await?;
+    Ok(Json(job_view(&state, &job, true).await?))
+}
+
+/// Longest history `GET /v1/admin/history` gives, minutes.
+pub const HISTORY_MAX_MINUTES: i32 = 1440;
+
+#[derive(Debug, serde::Deserialize)]
+pub struct HistoryQuery {
+    minutes: Option<String>,
+}
+
+/// Queue history.
+///
+/// `GET /v1/admin/history?minutes=60`: per minute and kind, from the jobs' own timestamps in
+/// Postgres (so it survives reloads and restarts): jobs waiting and running at the minute's
+/// end, and jobs that succeeded and failed (or were canceled) within it; per kind, run and
+/// wait times (p50, p90, p99 seconds) of the jobs that succeeded in the span.
+#[utoipa::path(
+    get,
+    path = "/v1/admin/history",
+    operation_id = "admin_history",
+    tag = "admin",
+    params(("minutes" = Option<i32>, Query, minimum = 1, maximum = 1440, description = "Minutes back from now, 1 to 1,440; default 60")),
+    responses(
+        (status = 200, description = "Per-minute series and run-time percentiles", body = openapi::History),
+        (status = 400, description = "`invalid_minutes`, `invalid_query`, `invalid_character`", body = openapi::Error),
+    ),
+    security(("bearer" = ["admin"]), ("api_key" = ["admin"])),
+)]
+pub async fn history(State(state): State<AppState>, caller: Caller, ApiQuery(q): ApiQuery<HistoryQuery>) -> Result<Json<Value>, ApiError> {
+    caller.require("admin")?;
+    let minutes = match q.minutes.as_deref() {
+        None => 60,
+        Some(m) => m.parse::<i32>().ok().filter(|m| (1..=HISTORY_MAX_MINUTES).contains(m)).ok_or_else(|| {
+            ApiError::bad_request("invalid_minutes", format!("minutes must be an integer from 1 to {HISTORY_MAX_MINUTES}"))
+        })?,
+    };
+    let db = |e: sqlx::Error| ApiError::from(tern_jobs::Error::from(e));
+    let rows: Vec<(chrono::DateTime<chrono::Utc>, String, i64, i64, i64, i64)> = sqlx::query_as(
+        "WITH m AS (
+             SELECT generate_series(date_trunc('minute', now()) - make_interval(mins => $1 - 1), date_trunc('minute', now()), interval '1 minute') AS t
+         ), j AS (
+             SELECT kind, state, created_at, started_at, finished_at FROM jobs
+             WHERE coalesce(finished_at, 'infinity') >= date_trunc('minute', now()) - make_interval(mins => $1 - 1)
+         )
+         SELECT m.t, j.kind,
+             count(*) FILTER (WHERE j.created_at < m.t + interval '1 minute'
+                 AND (j.state IN ('queued', 'scheduled', 'retrying')
+                      OR coalesce(j.started_at, j.finished_at, 'infinity') >= m.t + interval '1 minute')) AS waiting,
+             -- A job waiting again (retried, handed back) keeps its last start: not running.
+             count(*) FILTER (WHERE j.state NOT IN ('queued', 'scheduled', 'retrying') AND j.started_at < m.t + interval '1 minute'
+                 AND coalesce(j.finished_at, 'infinity') >= m.t + interval '1 minute') AS running,
+             count(*) FILTER (WHERE j.state = 'succeeded' AND j.finished_at >= m.t AND j.finished_at < m.t + interval '1 minute') AS succeeded,
+             count(*) FILTER (WHERE j.state IN ('failed', 'canceled') AND j.finished_at >= m.t AND j.finished_at < m.t + interval '1 minute') AS failed
+         FROM m CROSS JOIN j GROUP BY m.t, j.kind ORDER BY m.t",
+    )
+    .bind(minutes)
+    .fetch_all(state.store.pool())
+    .await
+    .map_err(db)?;
+    let mut times: Vec<chrono::DateTime<chrono::Utc>> = Vec::new();
+    let mut series: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
+    let start = chrono::Utc::now().duration_trunc(chrono::TimeDelta::minutes(1)).unwrap_or_default() - chrono::TimeDelta::minutes(i64::from(minutes) - 1);
+    for i in 0..minutes {
+        times.push(start + chrono::TimeDelta::minutes(i64::from(i)));
+    }
+    for kind in tern_jobs::JobKind::ALL {
+        let zeros = vec![0i64; minutes as usize];
+        series.insert(kind.as_str().into(), json!({ "waiting": zeros, "running": zeros, "succeeded": zeros, "failed": zeros }));
+    }
+    for (t, kind, waiting, running, succeeded, failed) in rows {
+        let Some(i) = times.iter().position(|m| *m == t) else { continue };
+        let Some(s) = series.get_mut(&kind) else { continue };
+        for (field, n) in [("waiting", waiting), ("running", running), ("succeeded", succeeded), ("failed", failed)] {
+            s[field][i] = json!(n);
+        }
+    }
+    let percentiles: Vec<(String, i64, Vec<f64>, Vec<f64>)> = sqlx::query_as(
+        "SELECT kind, count(*),
+                percentile_cont(ARRAY[0.5, 0.9, 0.99]) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - started_at)),
+                percentile_cont(ARRAY[0.5, 0.9, 0.99]) WITHIN GROUP (ORDER BY extract(epoch FROM started_at - created_at))
+         FROM jobs WHERE state = 'succeeded' AND started_at IS NOT NULL AND finished_at >= now() - make_interval(mins => $1)
+         GROUP BY kind ORDER BY kind",
+    )
+    .bind(minutes)
+    .fetch_all(state.store.pool())
+    .await
+    .map_err(db)?;
+    let timings: Vec<Value> = percentiles
+        .into_iter()
+        .map(|(kind, n, run, wait)| {
+            let p = |v: &[f64]| json!({ "p50": v.first(), "p90": v.get(1), "p99": v.get(2) });
+            json!({ "kind": kind, "succeeded": n, "run_seconds": p(&run), "wait_seconds": p(&wait) })
+        })
+        .collect();
+    Ok(Json(json!({ "minutes": times, "kinds": series, "timings": timings })))
 }

@@ -1,4 +1,4 @@
-//! `/admin`: the operators' dashboard. Three static files built into the binary, no front-end
+//! `/admin`: the operators' dashboard. Four static files built into the binary, no front-end
 //! build: the page signs in with an admin key (kept in the tab's session storage) and polls the
 //! admin API every 2 s.
 
@@ -8,6 +8,7 @@ use axum::response::IntoResponse;
 const INDEX: &str = include_str!("../dashboard/index.html");
 const SCRIPT: &str = include_str!("../dashboard/app.js");
 const STYLE: &str = include_str!("../dashboard/app.css");
+const ICON: &str = include_str!("../dashboard/favicon.svg");
 
 /// Own scripts, styles and API calls only; nothing inline, nothing from elsewhere.
 const POLICY: &str =
@@ -27,4 +28,8 @@ pub async fn script() -> impl IntoResponse {
 
 pub async fn style() -> impl IntoResponse {
     file("text/css; charset=utf-8", STYLE)
+}
+
+pub async fn icon() -> impl IntoResponse {
+    file("image/svg+xml", ICON)
 }

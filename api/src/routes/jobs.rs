@@ -416,6 +416,7 @@ pub async fn events(State(state): State<AppState>, caller: Caller, Path(id): Pat
 pub struct ListQuery {
     state: Option<String>,
     kind: Option<String>,
+    priority: Option<String>,
     limit: Option<String>,
     cursor: Option<String>,
     /// Admin listing only: one tenant's jobs.
@@ -424,7 +425,8 @@ pub struct ListQuery {
 
 /// List jobs.
 ///
-/// `GET /v1/jobs?state=&kind=&limit=&cursor=`: newest first; `next_cursor` fetches the next page.
+/// `GET /v1/jobs?state=&kind=&priority=&limit=&cursor=`: newest first; `next_cursor` fetches the
+/// next page.
 #[utoipa::path(
     get,
     path = "/v1/jobs",
@@ -433,12 +435,13 @@ pub struct ListQuery {
     params(
         ("state" = Option<openapi::JobState>, Query, description = "Only jobs in this state"),
         ("kind" = Option<openapi::JobKind>, Query, description = "Only jobs of this kind"),
+        ("priority" = Option<openapi::Priority>, Query, description = "Only jobs of this priority"),
         ("limit" = Option<i64>, Query, minimum = 1, maximum = 500, description = "Jobs per page, 1 to 500; default 50"),
         ("cursor" = Option<uuid::Uuid>, Query, description = "The previous page's `next_cursor`"),
     ),
     responses(
         (status = 200, description = "One page of the tenant's jobs, newest first", body = openapi::JobList),
-        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_limit`, `invalid_cursor`, `invalid_query` (a query string that cannot be read: a repeated key), `invalid_character` (a NUL)", body = openapi::Error),
+        (status = 400, description = "`invalid_state`, `unknown_kind`, `invalid_priority`, `invalid_limit`, `invalid_cursor`, `invalid_query` (a query string that cannot be read: a repeated key), `invalid_character` (a NUL)", body = openapi::Error),
     ),
     security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
 )]
@@ -460,6 +463,11 @@ pub async fn list_page(state: &AppState, q: &ListQuery, tenant: Option<String>) 
             .kind
             .as_deref()
             .map(|k| k.parse().map_err(|()| ApiError::bad_request("unknown_kind", format!("unknown job kind {k:?}"))))
+            .transpose()?,
+        priority: q
+            .priority
+            .as_deref()
+            .map(|p| p.parse().map_err(|()| ApiError::bad_request("invalid_priority", format!("unknown priority {p:?}"))))
             .transpose()?,
         before: q
             .cursor

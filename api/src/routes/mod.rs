@@ -57,6 +57,8 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(admin::cancel))
         .routes(routes!(admin::workers))
         .routes(routes!(admin::system))
+        .routes(routes!(admin::run_now))
+        .routes(routes!(admin::history))
         .routes(routes!(admin::drain))
         .routes(routes!(admin::undrain))
         .routes(routes!(models::register, models::list))
@@ -73,6 +75,9 @@ pub fn router(state: AppState, cors: crate::middleware::Cors) -> Router {
         .route("/admin", get(dashboard::index))
         .route("/admin/app.js", get(dashboard::script))
         .route("/admin/app.css", get(dashboard::style))
+        .route("/admin/favicon.svg", get(dashboard::icon))
+        // Browsers ask for it whatever the page says.
+        .route("/favicon.ico", get(dashboard::icon))
         .fallback(|| async { ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this route does not take that method")
