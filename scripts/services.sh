@@ -14,8 +14,8 @@
 #                in tests/dashboard (`npm ci`), for the dashboard test
 #   schemathesis install schemathesis (PyPI) into $TERN_STATE_DIR/schemathesis/venv, for the
 #                OpenAPI fuzz test
-#   openai       install OpenAI's Python SDK (PyPI) into $TERN_STATE_DIR/openai/venv, for the
-#                test of the OpenAI-compatible routes
+#   openai       install OpenAI's Python SDK and LangChain's OpenAI client (PyPI) into
+#                $TERN_STATE_DIR/openai/venv, for the test of the OpenAI-compatible routes
 #   --print-env  after `up`, print `export TERN_...=...` lines, e.g.
 #                  eval "$(scripts/services.sh --print-env)"
 #
@@ -377,7 +377,8 @@ Usage: scripts/services.sh [up|down] [--print-env]
   down         stop the SeaweedFS server started by `up` (Postgres and Redis keep running)
   browser      install headless Chromium, Node and playwright-core (dashboard test)
   schemathesis install schemathesis into $TERN_STATE_DIR/schemathesis/venv (OpenAPI test)
-  openai       install the openai SDK into $TERN_STATE_DIR/openai/venv (OpenAI-compatible test)
+  openai       install the openai SDK and LangChain's OpenAI client into $TERN_STATE_DIR/openai/venv
+               (OpenAI-compatible test)
   --print-env  after `up`, print the TERN_* export lines
 EOF
 }
@@ -409,6 +410,7 @@ ensure_browser() {
 
 readonly SCHEMATHESIS_VERSION=4.32.5
 readonly OPENAI_SDK_VERSION=3.57.0
+readonly LANGCHAIN_OPENAI_VERSION=1.7.4
 
 # ensure_python_package DIR PACKAGE VERSION: PACKAGE==VERSION in the virtualenv
 # $STATE_DIR/DIR/venv, installed unless it is there already.
@@ -475,6 +477,7 @@ main() {
       ;;
     openai)
       ensure_python_package openai openai "$OPENAI_SDK_VERSION"
+      ensure_python_package openai langchain-openai "$LANGCHAIN_OPENAI_VERSION"
       ;;
   esac
 }

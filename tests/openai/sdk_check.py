@@ -7,6 +7,7 @@ Usage: sdk_check.py PHASE BASE_URL API_KEY LIBRIVOX_DIR
   translate  translations (on a worker with multilingual Whisper base)
   batch      the Batch API: a file uploaded, a batch run to its output file, listed,
              canceled, and the file deleted
+  langchain  LangChain's OpenAI client (langchain-openai): chat, streamed chat, embeddings
 Prints one line per check; exits non-zero at the first that fails.
 """
 
@@ -211,7 +212,7 @@ def batch():
           str(done))
     answers = [json.loads(l) for l in client.files.content(done.output_file_id).text.splitlines()]
     check("output file", sorted(a["custom_id"] for a in answers) == sorted(l["custom_id"] for l in lines[:21])
-          and all(a["response"]["status_code"] == 200 for a in answers), str(answers[:1]))
+          and all(a["response"]["status_code"] == 200 for a in answers), f"{len(answers)} answers")
     embedding = next(a for a in answers if a["custom_id"] == "e0")["response"]["body"]["data"][0]["embedding"]
     check("an answer is the route's own", len(embedding) == 384, str(len(embedding)))
     errors = [json.loads(l) for l in client.files.content(done.error_file_id).text.splitlines()]
@@ -228,10 +229,27 @@ def batch():
     check("batch cancelled", canceled.status == "cancelled", str(canceled))
     expect_error("bad endpoint", lambda: client.batches.create(input_file_id=uploaded.id, endpoint="/v1/moderations",
                                                                completion_window="24h"), 400, "invalid_endpoint", "endpoint")
-    expect_error("missing file", lambda: client.batches.retrieve("batch_nope"), 404, "batch_not_found")
+    expect_error("missing batch", lambda: client.batches.retrieve("batch_nope"), 404, "batch_not_found")
     check("file deleted", client.files.delete(uploaded.id).deleted)
     expect_error("deleted file", lambda: client.files.retrieve(uploaded.id), 404, "file_not_found")
 
 
-{"main": main, "translate": translate, "batch": batch}[phase]()
+def langchain():
+    from langchain_openai import ChatOpenAI, OpenAIEmbeddings
+
+    chat = ChatOpenAI(base_url=f"{base_url}/v1", api_key=api_key, model="smollm2", max_tokens=8, temperature=0)
+    answer = chat.invoke("Name a colour.")
+    check("LangChain chat", isinstance(answer.content, str) and answer.content != ""
+          and answer.usage_metadata["output_tokens"] > 0, repr(answer.content))
+    pieces = [chunk.content for chunk in chat.stream("Count: one, two,")]
+    check("LangChain streamed chat", len(pieces) > 1 and "".join(pieces) != "", repr(pieces))
+    # tern's API reads text; LangChain's token-array batching (tiktoken) is turned off.
+    embeddings = OpenAIEmbeddings(base_url=f"{base_url}/v1", api_key=api_key, model="minilm", check_embedding_ctx_length=False)
+    vectors = embeddings.embed_documents(["a cat", "a dog"])
+    query = embeddings.embed_query("a kitten")
+    cosine = sum(a * b for a, b in zip(vectors[0], query))
+    check("LangChain embeddings", len(vectors) == 2 and len(vectors[0]) == 384 and cosine > 0.5, f"cos(cat, kitten) {cosine:.2f}")
+
+
+{"main": main, "translate": translate, "batch": batch, "langchain": langchain}[phase]()
 print("all checks passed")

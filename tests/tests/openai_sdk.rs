@@ -2,7 +2,8 @@
 //! OpenAI-compatible routes, unchanged: models, transcriptions in every `response_format` and
 //! streamed, a recording over 30 minutes, translations, embeddings as floats and base64, chat
 //! and text completions plain and streamed, and errors in OpenAI's shape
-//! (`tests/openai/sdk_check.py` holds the checks). Each request is a job through the queue,
+//! (`tests/openai/sdk_check.py` holds the checks); the Batch API through the SDK; LangChain's
+//! OpenAI client (chat, streamed chat, embeddings). Each request is a job through the queue,
 //! and a client that hangs up cancels its job.
 
 use serde_json::{json, Value};
@@ -58,6 +59,8 @@ async fn the_openai_sdk_runs_against_tern_unchanged() {
     assert_eq!(failed, 0, "every job the SDK's requests made succeeded");
     // The Batch API through the SDK: a batch run to its files, another canceled.
     run_checks(&cluster, "batch");
+    // LangChain's OpenAI client, unchanged too.
+    run_checks(&cluster, "langchain");
 
     // A client that hangs up cancels its job: a long streamed generation, dropped after its
     // first chunk.
