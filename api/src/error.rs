@@ -34,6 +34,13 @@ impl ApiError {
     }
 }
 
+/// A query the API runs itself (beside the `Store`'s) failed: as a `Store` failure.
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        tern_jobs::Error::from(e).into()
+    }
+}
+
 impl From<tern_jobs::Error> for ApiError {
     fn from(e: tern_jobs::Error) -> Self {
         if let tern_jobs::Error::IdempotencyConflict(_) = &e {

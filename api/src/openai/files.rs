@@ -74,7 +74,7 @@ impl FileRecord {
         .bind(self.created_at)
         .execute(db)
         .await
-        .map_err(tern_jobs::Error::from)?;
+        .map_err(ApiError::from)?;
         Ok(())
     }
 
@@ -97,9 +97,9 @@ impl FileRecord {
             .bind(tenant)
             .fetch_optional(state.store.pool())
             .await
-            .map_err(|e| ApiError::from(tern_jobs::Error::from(e)))?;
+            .map_err(ApiError::from)?;
         match row {
-            Some(row) => Ok(FileRecord::from_row(&row).map_err(|e| ApiError::from(tern_jobs::Error::from(e)))?),
+            Some(row) => Ok(FileRecord::from_row(&row).map_err(ApiError::from)?),
             None => Err(not_found(id)),
         }
     }
@@ -189,9 +189,9 @@ pub async fn list(State(state): State<AppState>, caller: Caller, ApiQuery(q): Ap
         .bind(limit + 1)
         .fetch_all(state.store.pool())
         .await
-        .map_err(|e| ApiError::from(tern_jobs::Error::from(e)))?;
+        .map_err(ApiError::from)?;
     let mut files: Vec<FileRecord> =
-        rows.iter().map(FileRecord::from_row).collect::<Result<_, _>>().map_err(|e| ApiError::from(tern_jobs::Error::from(e)))?;
+        rows.iter().map(FileRecord::from_row).collect::<Result<_, _>>().map_err(ApiError::from)?;
     let has_more = files.len() as i64 > limit;
     files.truncate(limit as usize);
     Ok(Json(json!({
@@ -223,14 +223,13 @@ pub async fn content(State(state): State<AppState>, caller: Caller, Path(id): Pa
 pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>, OpenAiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
     let record = FileRecord::get(&state, &tenant, &id).await?;
-    let db = |e: sqlx::Error| ApiError::from(tern_jobs::Error::from(e));
     let in_use: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM batches WHERE input_file_id = $1 AND status IN ('validating', 'in_progress', 'finalizing', 'cancelling'))",
     )
     .bind(&id)
     .fetch_one(state.store.pool())
     .await
-    .map_err(db)?;
+    .map_err(ApiError::from)?;
     if in_use {
         return Err(OpenAiError {
             status: StatusCode::CONFLICT,
@@ -240,7 +239,7 @@ pub async fn delete(State(state): State<AppState>, caller: Caller, Path(id): Pat
         });
     }
     // Batches that named it keep its id, which then answers 404, as OpenAI's do.
-    sqlx::query("DELETE FROM files WHERE id = $1").bind(&id).execute(state.store.pool()).await.map_err(db)?;
+    sqlx::query("DELETE FROM files WHERE id = $1").bind(&id).execute(state.store.pool()).await.map_err(ApiError::from)?;
     state.objects.delete(&record.object_key).await.map_err(ApiError::from)?;
     Ok(Json(json!({ "id": id, "object": "file", "deleted": true })))
 }

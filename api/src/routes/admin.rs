@@ -604,7 +604,6 @@ pub async fn history(State(state): State<AppState>, caller: Caller, ApiQuery(q):
             ApiError::bad_request("invalid_minutes", format!("minutes must be an integer from 1 to {HISTORY_MAX_MINUTES}"))
         })?,
     };
-    let db = |e: sqlx::Error| ApiError::from(tern_jobs::Error::from(e));
     let rows: Vec<(chrono::DateTime<chrono::Utc>, String, i64, i64, i64, i64)> = sqlx::query_as(
         "WITH m AS (
              SELECT generate_series(date_trunc('minute', now()) - make_interval(mins => $1 - 1), date_trunc('minute', now()), interval '1 minute') AS t
@@ -625,8 +624,7 @@ pub async fn history(State(state): State<AppState>, caller: Caller, ApiQuery(q):
     )
     .bind(minutes)
     .fetch_all(state.store.pool())
-    .await
-    .map_err(db)?;
+    .await?;
     let mut times: Vec<chrono::DateTime<chrono::Utc>> = Vec::new();
     let mut series: std::collections::BTreeMap<String, Value> = std::collections::BTreeMap::new();
     let start = chrono::Utc::now().duration_trunc(chrono::TimeDelta::minutes(1)).unwrap_or_default() - chrono::TimeDelta::minutes(i64::from(minutes) - 1);
@@ -653,8 +651,7 @@ pub async fn history(State(state): State<AppState>, caller: Caller, ApiQuery(q):
     )
     .bind(minutes)
     .fetch_all(state.store.pool())
-    .await
-    .map_err(db)?;
+    .await?;
     let timings: Vec<Value> = percentiles
         .into_iter()
         .map(|(kind, n, run, wait)| {

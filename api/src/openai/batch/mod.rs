@@ -64,10 +64,6 @@ pub struct Batch {
     pub cancelled_at: Option<DateTime<Utc>>,
 }
 
-pub(crate) fn db(e: sqlx::Error) -> ApiError {
-    ApiError::from(tern_jobs::Error::from(e))
-}
-
 impl Batch {
     pub fn from_row(r: &sqlx::postgres::PgRow) -> Result<Batch, sqlx::Error> {
         Ok(Batch {
@@ -100,8 +96,8 @@ impl Batch {
 
     /// Batch `id`, whoever's it is.
     pub async fn load(state: &AppState, id: &str) -> Result<Option<Batch>, ApiError> {
-        let row = sqlx::query("SELECT * FROM batches WHERE id = $1").bind(id).fetch_optional(state.store.pool()).await.map_err(db)?;
-        row.as_ref().map(Batch::from_row).transpose().map_err(db)
+        let row = sqlx::query("SELECT * FROM batches WHERE id = $1").bind(id).fetch_optional(state.store.pool()).await.map_err(ApiError::from)?;
+        row.as_ref().map(Batch::from_row).transpose().map_err(ApiError::from)
     }
 
     /// `(completed, failed)`: fixed once it ended; before, counted from its jobs now. A line
@@ -118,8 +114,8 @@ impl Batch {
         .bind(&self.id)
         .fetch_one(state.store.pool())
         .await
-        .map_err(db)?;
-        Ok((row.try_get("completed").map_err(db)?, row.try_get("failed").map_err(db)?))
+        .map_err(ApiError::from)?;
+        Ok((row.try_get("completed").map_err(ApiError::from)?, row.try_get("failed").map_err(ApiError::from)?))
     }
 
     /// OpenAI's Batch object, with `request_counts` as they stand.

@@ -1,6 +1,7 @@
 //! `/v1/batches`: create, get, list, cancel.
 
-use super::{db, status, Batch};
+use super::{status, Batch};
+use crate::error::ApiError;
 use crate::auth::Caller;
 use crate::extract::ApiQuery;
 use crate::openai::files::FileRecord;
@@ -94,8 +95,8 @@ pub async fn create(
     .bind(hours as i32)
     .fetch_one(state.store.pool())
     .await
-    .map_err(db)?;
-    let batch = Batch::from_row(&row).map_err(db)?;
+    .map_err(ApiError::from)?;
+    let batch = Batch::from_row(&row).map_err(ApiError::from)?;
     metrics::counter!("tern_batches_created_total").increment(1);
     Ok(Json(batch.view(&state).await?))
 }
@@ -144,8 +145,8 @@ pub async fn list(State(state): State<AppState>, caller: Caller, ApiQuery(q): Ap
     .bind(limit + 1)
     .fetch_all(state.store.pool())
     .await
-    .map_err(db)?;
-    let mut batches: Vec<Batch> = rows.iter().map(Batch::from_row).collect::<Result<_, _>>().map_err(db)?;
+    .map_err(ApiError::from)?;
+    let mut batches: Vec<Batch> = rows.iter().map(Batch::from_row).collect::<Result<_, _>>().map_err(ApiError::from)?;
     let has_more = batches.len() as i64 > limit;
     batches.truncate(limit as usize);
     let mut data = Vec::with_capacity(batches.len());
@@ -171,9 +172,9 @@ pub async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Pat
     .bind(&id)
     .fetch_optional(state.store.pool())
     .await
-    .map_err(db)?;
+    .map_err(ApiError::from)?;
     let batch = match row {
-        Some(row) => Batch::from_row(&row).map_err(db)?,
+        Some(row) => Batch::from_row(&row).map_err(ApiError::from)?,
         None if batch.status == status::CANCELLING => batch,
         None => {
             return Err(OpenAiError {

@@ -8,7 +8,7 @@
 //! replayed by their idempotency keys, and the output files are written again whole.
 
 use super::lines::{self, Line};
-use super::{db, status, Batch};
+use super::{status, Batch};
 use crate::error::ApiError;
 use crate::openai::files::FileRecord;
 use crate::openai::{job_output, OpenAiError};
@@ -64,7 +64,7 @@ impl From<ApiError> for Stop {
 
 impl From<sqlx::Error> for Stop {
     fn from(e: sqlx::Error) -> Self {
-        Stop::Service(db(e))
+        Stop::Service(e.into())
     }
 }
 
@@ -126,8 +126,8 @@ impl Runner {
         .bind(self.claim.as_secs_f64())
         .fetch_optional(self.state.store.pool())
         .await
-        .map_err(db)?;
-        row.as_ref().map(Batch::from_row).transpose().map_err(db)
+        .map_err(ApiError::from)?;
+        row.as_ref().map(Batch::from_row).transpose().map_err(ApiError::from)
     }
 
     /// Keeps the claim for another `claim`; fails if another runner took it.
@@ -156,7 +156,7 @@ impl Runner {
         .bind(next.as_secs_f64())
         .execute(self.state.store.pool())
         .await
-        .map_err(db)?;
+        .map_err(ApiError::from)?;
         Ok(())
     }
 
@@ -270,7 +270,7 @@ impl Runner {
             let index = first + offset;
             prepared.push(self.prepare(batch, index, lines::parse(*number, text)));
         }
-        let prepared: Vec<(usize, String, Result<NewJob, Refusal>)> =
+        let prepared: Vec<(usize, String, Result<NewJob, OpenAiError>)> =
             futures::stream::iter(prepared).buffered(LINE_CONCURRENCY).collect().await;
         if let Some(e) = prepared.iter().find_map(|(_, _, r)| r.as_ref().err().filter(|e| transient(e.status))) {
             tracing::debug!(batch = %batch.id, code = %e.code, "a line's checks hit a service failure");
@@ -337,7 +337,7 @@ impl Runner {
 
     /// A line as a checked job with its files stored, or why it is refused. Returns the
     /// line's index and custom id with it.
-    fn prepare(&self, batch: &Batch, index: usize, line: Result<Line, lines::FormatError>) -> impl std::future::Future<Output = (usize, String, Result<NewJob, Refusal>)> + Send + 'static {
+    fn prepare(&self, batch: &Batch, index: usize, line: Result<Line, lines::FormatError>) -> impl std::future::Future<Output = (usize, String, Result<NewJob, OpenAiError>)> + Send + 'static {
         let state = self.state.clone();
         let (batch_id, tenant, priority) = (batch.id.clone(), batch.tenant.clone(), batch.priority.clone());
         async move {
@@ -345,8 +345,7 @@ impl Runner {
                 Ok(line) => line,
                 // The file was validated; a line that no longer reads is refused, not retried.
                 Err(e) => {
-                    let refusal = Refusal { status: StatusCode::BAD_REQUEST, code: e.code.into(), message: e.message };
-                    return (index, String::new(), Err(refusal));
+                    return (index, String::new(), Err(OpenAiError::invalid(e.code, e.message, e.param.unwrap_or("body"))));
                 }
             };
             let result = async {
@@ -355,12 +354,12 @@ impl Runner {
                 value["priority"] = json!(priority);
                 value["idempotency_key"] = json!(format!("{batch_id}/{}", line.custom_id));
                 value["metadata"] = json!({ "batch_id": batch_id, "custom_id": line.custom_id });
-                let mut job = submission::parse(&value, None).map_err(Refusal::from)?.job;
+                let mut job = submission::parse(&value, None).map_err(OpenAiError::from)?.job;
                 job.tenant = tenant.clone();
-                submission::check_upload_tenant(&job, &tenant).map_err(Refusal::from)?;
-                submission::check_urls(&job, state.allow_private_urls).await.map_err(Refusal::from)?;
-                submission::store_inline_files(&mut job, &state.objects, state.limits.max_audio_seconds).await.map_err(Refusal::from)?;
-                Ok::<_, Refusal>(job)
+                submission::check_upload_tenant(&job, &tenant).map_err(OpenAiError::from)?;
+                submission::check_urls(&job, state.allow_private_urls).await.map_err(OpenAiError::from)?;
+                submission::store_inline_files(&mut job, &state.objects, state.limits.max_audio_seconds).await.map_err(OpenAiError::from)?;
+                Ok::<_, OpenAiError>(job)
             }
             .await;
             (index, line.custom_id, result)
@@ -457,7 +456,7 @@ impl Runner {
         let (mut completed, mut failed) = (0i32, 0i32);
         for (page, chunk) in requests.chunks(PAGE).enumerate() {
             let first = page * PAGE;
-            let rows: Vec<(i32, Option<Uuid>, Option<i32>, Option<String>, Option<String>)> = sqlx::query_as(
+            let rows: Vec<RequestRow> = sqlx::query_as(
                 "SELECT line, job_id, error_status, error_code, error_message FROM batch_requests
                  WHERE batch_id = $1 AND line >= $2 AND line < $3",
             )
@@ -546,6 +545,9 @@ impl Runner {
     }
 }
 
+/// A line's record: index, job, and the status, code and message of its refusal.
+type RequestRow = (i32, Option<Uuid>, Option<i32>, Option<String>, Option<String>);
+
 /// One line of the output or error file.
 struct Answer {
     /// Whether it goes to the output file (else the error file).
@@ -558,7 +560,7 @@ fn answer(
     batch: &Batch,
     index: usize,
     line: Option<&Line>,
-    row: Option<&(i32, Option<Uuid>, Option<i32>, Option<String>, Option<String>)>,
+    row: Option<&RequestRow>,
     jobs: &HashMap<Uuid, Job>,
     outputs: &mut HashMap<Uuid, Result<Value, OpenAiError>>,
     unrun: (&str, &str),
@@ -610,24 +612,5 @@ fn answer(
                 Err(e) => refused(Some(job.id), e.status.as_u16(), &e.code, &e.message),
             }
         }
-    }
-}
-
-/// Why a line did not become a job: the route's or the job checks' refusal.
-struct Refusal {
-    status: StatusCode,
-    code: String,
-    message: String,
-}
-
-impl From<ApiError> for Refusal {
-    fn from(e: ApiError) -> Self {
-        Refusal { status: e.status, code: e.code.to_string(), message: e.message }
-    }
-}
-
-impl From<OpenAiError> for Refusal {
-    fn from(e: OpenAiError) -> Self {
-        Refusal { status: e.status, code: e.code, message: e.message }
     }
 }
