@@ -46,7 +46,7 @@ fn main() -> anyhow::Result<()> {
             let inputs: Vec<(&[f32], &TranscribeOptions)> =
                 clips.iter().map(|(p, _)| (p.as_slice(), &opts)).collect();
             let t = Instant::now();
-            let out = whisper.transcribe_many(&inputs, batch, &|_| false, &mut |_, _, _| {});
+            let out = whisper.transcribe_many(&inputs, batch, &|_| false, &mut |_, _| {});
             let took = t.elapsed().as_secs_f64();
             let (mut errors, mut total) = (0, 0);
             for ((_, reference), tr) in clips.iter().zip(&out) {

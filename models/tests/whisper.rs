@@ -201,7 +201,7 @@ fn trimmed_windows_of_different_lengths_batched_give_each_clip_its_own_transcrip
     let opts = TranscribeOptions::default();
     assert!(matches!(opts.padding, Padding::Trimmed { .. }));
     let inputs: Vec<(&[f32], &TranscribeOptions)> = pcms.iter().map(|p| (p.as_slice(), &opts)).collect();
-    let batched = whisper.transcribe_many(&inputs, 3, &|_| false, &mut |_, _, _| {});
+    let batched = whisper.transcribe_many(&inputs, 3, &|_| false, &mut |_, _| {});
     // With more clips than rows, clips that wait take the rows of those that finish while the
     // rest decode, where the CPU has BF16 products.
     let stats = whisper.last_decode_stats();
@@ -234,8 +234,8 @@ fn batched_clips_transcribe_as_alone_in_every_decoding_mode() {
         let mut whisper = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, precision).unwrap();
         let inputs: Vec<(&[f32], &TranscribeOptions)> = pcms[..clips].iter().map(|p| (p.as_slice(), &opts)).collect();
         let mut progress = vec![0; clips];
-        let batched = whisper.transcribe_many(&inputs, capacity, &|_| false, &mut |i, done, total| {
-            assert_eq!((done, total), (1, 1));
+        let batched = whisper.transcribe_many(&inputs, capacity, &|_| false, &mut |i, p| {
+            assert_eq!((p.done, p.total), (1, 1));
             progress[i] += 1;
         });
         let stats = whisper.last_decode_stats();
@@ -277,7 +277,7 @@ fn recordings_join_a_running_batch_and_are_answered_as_they_finish() {
         2,
         &mut admit,
         &|_| false,
-        &mut |i, _, _| events.borrow_mut().push(("progress", i)),
+        &mut |i, _| events.borrow_mut().push(("progress", i)),
         &mut |i, r| {
             assert!(answers[i].is_none(), "input {i} answered twice");
             answers[i] = Some(r.unwrap().text);
@@ -347,4 +347,117 @@ fn half_precision_transcribes_like_f32() {
     let wer = word_errors(&r, &words(&tr.text)) as f64 / r.len() as f64;
     eprintln!("F16: {:?} (WER {:.1}%)", tr.text, 100.0 * wer);
     assert!(wer <= 0.15, "F16 transcript {:?} against {reference:?}: WER {wer}", tr.text);
+}
+
+/// Word timestamps follow the audio: the same clip after 3 s of silence has every word 3 s
+/// later (within 0.3 s), the words spell each segment's text, and their times run forward
+/// inside their segment.
+#[test]
+fn word_timestamps_follow_the_speech() {
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let (id, _) = references(&dir).remove(0);
+    let pcm = clip_pcm(&dir, &id);
+    let opts = TranscribeOptions { word_timestamps: true, ..Default::default() };
+    let shift = 3.0;
+    let mut later = vec![0f32; (shift * 16_000.0) as usize];
+    later.extend_from_slice(&pcm);
+    let timed = |pcm: &[f32], whisper: &mut Whisper| {
+        let tr = whisper.transcribe(pcm, &opts, &mut |_, _| {}).unwrap();
+        let mut all = Vec::new();
+        for s in &tr.segments {
+            let words = s.words.as_ref().expect("words asked for");
+            let spelled: String = words.iter().map(|w| w.word.as_str()).collect();
+            assert_eq!(spelled.trim(), s.text, "the words spell their segment");
+            for w in words {
+                assert!(w.start <= w.end && w.start >= s.start - 1e-9 && w.end <= s.end + 1e-9, "{w:?} in {s:?}");
+                assert!((0.0..=1.0).contains(&w.probability), "{w:?}");
+            }
+            all.extend(words.iter().cloned());
+        }
+        assert!(all.windows(2).all(|p| p[0].start <= p[1].start), "{all:?}");
+        (tr, all)
+    };
+    let (tr, words_at_0) = timed(&pcm, &mut whisper);
+    let (tr_later, words_at_3) = timed(&later, &mut whisper);
+    eprintln!("{:?}", words_at_0.iter().map(|w| (w.word.as_str(), w.start, w.end)).collect::<Vec<_>>());
+    assert!(words_at_0.len() >= 5, "{:?}", tr.text);
+    assert_eq!(tr.text, tr_later.text, "silence before the clip changes no word");
+    assert_eq!(words_at_0.len(), words_at_3.len());
+    for (a, b) in words_at_0.iter().zip(&words_at_3) {
+        assert!((b.start - a.start - shift).abs() <= 0.3 && (b.end - a.end - shift).abs() <= 0.3, "{a:?} then {b:?}");
+    }
+    // Speech starts in the first second of the clip and the words end by its end.
+    assert!(words_at_3[0].start >= shift - 0.2, "{:?}", words_at_3[0]);
+    let end = pcm.len() as f64 / 16_000.0;
+    assert!(words_at_0.last().unwrap().end <= end + 0.01 && words_at_0.last().unwrap().end >= end - 2.0, "{:?}", words_at_0.last());
+}
+
+/// A prompt conditions the decoding: a word's spelling (tiny.en hears "old-sposed" in this
+/// clip, and "ill-disposed" once the prompt has the word) and the style (an unrelated prompt in
+/// lower case without punctuation gives a transcript in lower case without punctuation). A
+/// prompt longer than the context is cut to its last 223 tokens instead of failing.
+#[test]
+fn a_prompt_conditions_the_transcript_and_a_long_one_is_cut() {
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let (id, reference) = references(&dir).remove(1);
+    let pcm = clip_pcm(&dir, &id);
+    let mut with = |prompt: &str| {
+        let opts = TranscribeOptions { prompt: Some(prompt.to_string()), ..Default::default() };
+        let text = whisper.transcribe(&pcm, &opts, &mut |_, _| {}).unwrap().text;
+        eprintln!("{:?} -> {text}", &prompt[..prompt.len().min(40)]);
+        text
+    };
+    let plain = with("");
+    assert!(!plain.contains("ill-disposed") && plain.starts_with("He ") && plain.ends_with('.'), "{plain}");
+    assert!(with("Ill-disposed.").contains("ill-disposed"));
+    let styled = with("so then we went to the market and bought some bread");
+    assert!(!styled.chars().any(|c| c.is_uppercase() || c.is_ascii_punctuation()), "{styled}");
+    let long = with(&"and then we went on ".repeat(400));
+    let r = words(&reference);
+    assert!(word_errors(&r, &words(&long)) * 2 <= r.len(), "{long:?}");
+}
+
+/// Sampling at a temperature is reproducible (each window's seed is its place in the
+/// recording) and still transcribes.
+#[test]
+fn sampling_at_a_temperature_repeats_itself() {
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let (id, reference) = references(&dir).remove(2);
+    let pcm = clip_pcm(&dir, &id);
+    let warm = TranscribeOptions { temperature: 0.5, ..Default::default() };
+    let a = whisper.transcribe(&pcm, &warm, &mut |_, _| {}).unwrap().text;
+    let b = whisper.transcribe(&pcm, &warm, &mut |_, _| {}).unwrap().text;
+    assert_eq!(a, b);
+    let r = words(&reference);
+    assert!(word_errors(&r, &words(&a)) * 3 <= r.len(), "{a:?} against {reference:?}");
+}
+
+/// The text reported with progress is always the start of the final transcript, and all of it
+/// at the last window, though windows finish in any order.
+#[test]
+fn progress_text_grows_into_the_transcript() {
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let mut pcm = Vec::new();
+    for (id, _) in references(&dir) {
+        pcm.extend(clip_pcm(&dir, &id));
+        pcm.extend(vec![0f32; 16_000]);
+    }
+    let pcm = [pcm.clone(), pcm.clone(), pcm].concat();
+    let opts = TranscribeOptions::default();
+    let mut reports: Vec<(usize, usize, String)> = Vec::new();
+    let inputs = [(pcm.as_slice(), &opts)];
+    let tr = whisper.transcribe_many(&inputs, 8, &|_| false, &mut |_, p| reports.push((p.done, p.total, p.text.to_string()))).remove(0).unwrap();
+    let total = windows_for(pcm.len() as f64 / 16_000.0);
+    assert!(total >= 3, "{total} windows");
+    assert_eq!(reports.len(), total);
+    for (done, t, text) in &reports {
+        assert_eq!(*t, total);
+        assert!(tr.text.starts_with(text.as_str()), "window {done}: {text:?} is not the start of {:?}", tr.text);
+    }
+    assert_eq!(reports.last().unwrap().2, tr.text);
+    assert!(reports.iter().any(|r| !r.2.is_empty() && r.0 < total), "some text came before the end");
 }

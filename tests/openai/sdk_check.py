@@ -119,10 +119,27 @@ def main():
         and all(s.start <= s.end <= seconds + 0.5 for s in segments),
         f"{verbose.language} {verbose.duration} {len(segments)} segments",
     )
+    timed = clip_through(client.audio.transcriptions, response_format="verbose_json", timestamp_granularities=["word", "segment"])
+    timed_words = timed.words or []
+    check(
+        "transcription verbose_json with word timestamps",
+        words(" ".join(w.word for w in timed_words)) == words(timed.text) and len(timed_words) > 5
+        and all(0 <= w.start <= w.end <= seconds + 0.5 for w in timed_words)
+        and all(a.start <= b.start for a, b in zip(timed_words, timed_words[1:])),
+        f"{len(timed_words)} words: {[(w.word, w.start, w.end) for w in timed_words[:4]]}",
+    )
     expect_error(
-        "word timestamps are refused by name",
-        lambda: clip_through(client.audio.transcriptions, response_format="verbose_json", timestamp_granularities=["word"]),
-        400, "unsupported_parameter", "timestamp_granularities",
+        "word timestamps outside verbose_json are refused by name",
+        lambda: clip_through(client.audio.transcriptions, response_format="json", timestamp_granularities=["word"]),
+        400, "invalid_timestamp_granularity", "timestamp_granularities",
+    )
+    prompted = clip_through(client.audio.transcriptions, prompt="Sense and Sensibility, by Jane Austen.", temperature=0.2)
+    wer = word_error_rate(REFERENCE, prompted.text)
+    check("transcription with a prompt and a temperature", wer < 0.35, f"WER {wer:.2f}: {prompted.text!r}")
+    expect_error(
+        "a temperature above 1 is refused by name",
+        lambda: clip_through(client.audio.transcriptions, temperature=1.5),
+        400, "invalid_temperature", "temperature",
     )
     events = list(clip_through(client.audio.transcriptions, stream=True))
     deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")

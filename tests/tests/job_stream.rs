@@ -145,3 +145,62 @@ async fn a_get_can_wait_for_the_job_to_finish() {
         assert_eq!((status, error["error"]["code"].as_str()), (400, Some("invalid_wait")), "{bad}");
     }
 }
+
+/// A transcription's text streams as its windows finish, not at the end: a worker that decodes
+/// one window at a time reports the text of each, and the stream sends it before the job's
+/// last state. The job asked for word timestamps and gave a prompt: every segment comes with
+/// its words, and the output keeps to its schema.
+#[tokio::test]
+async fn a_transcription_streams_its_text_window_by_window() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let librivox = tern_e2e::models_dir().join("testdata/librivox");
+    let mut pcm = Vec::new();
+    let mut names: Vec<_> = std::fs::read_dir(&librivox).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "wav")).collect();
+    names.sort();
+    for path in names.iter().cycle() {
+        pcm.extend(tern_models::audio::decode_mono_16k(&std::fs::read(path).unwrap()).unwrap());
+        pcm.extend(std::iter::repeat_n(0.0f32, 16_000));
+        if pcm.len() > 16_000 * 65 {
+            break;
+        }
+    }
+    use base64::Engine;
+    let audio = base64::engine::general_purpose::STANDARD.encode(tern_e2e::wav_16k_mono(&pcm));
+    let input = json!({ "audio": { "base64": audio }, "word_timestamps": true, "prompt": "Sense and Sensibility, by Jane Austen." });
+    let (status, job) = cluster.post("/v1/jobs", &json!({ "kind": "transcribe", "input": input })).await.unwrap();
+    assert_eq!(status, 201, "{job}");
+    let windows = job["cost"].as_u64().unwrap();
+    assert!(windows >= 3, "{job}");
+    let id = job["id"].as_str().unwrap().to_string();
+    let mut stream = open(&cluster, &id, None).await;
+    let _worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "transcribe"), ("TERN_TRANSCRIBE_BATCH_WINDOWS", "1")]).unwrap();
+    let seen = read_events(&mut stream, &mut String::new(), |e| e.event == "job").await;
+    let finished = &seen.last().unwrap().data;
+    assert_eq!(finished["state"], "succeeded", "{finished}");
+    let texts: Vec<usize> = seen.iter().enumerate().filter(|(_, e)| e.event == "text").map(|(i, _)| i).collect();
+    let last_state = seen.iter().rposition(|e| e.event == "state").unwrap();
+    assert!(texts.len() >= 2, "text came in pieces: {seen:?}");
+    assert!(texts[0] < last_state, "text came before the job ended: {seen:?}");
+    let mut text = String::new();
+    for &i in &texts {
+        assert_eq!(seen[i].data["offset"].as_u64().unwrap() as usize, text.len());
+        text.push_str(seen[i].data["delta"].as_str().unwrap());
+    }
+    let body: Value = reqwest::get(finished["output"]["url"].as_str().unwrap()).await.unwrap().json().await.unwrap();
+    tern_jobs::schemas::validate_output(tern_jobs::JobKind::Transcribe, &body).unwrap();
+    // The last window's text may land as the job ends, after the stream's last look.
+    assert!(body["text"].as_str().unwrap().starts_with(&text), "the streamed text starts the transcript: {text:?}");
+    let segments = body["segments"].as_array().unwrap();
+    let mut previous = 0.0;
+    for s in segments {
+        let words = s["words"].as_array().unwrap_or_else(|| panic!("words in {s}"));
+        let spelled: String = words.iter().map(|w| w["word"].as_str().unwrap()).collect();
+        assert_eq!(spelled.trim(), s["text"].as_str().unwrap());
+        for w in words {
+            let (start, end) = (w["start"].as_f64().unwrap(), w["end"].as_f64().unwrap());
+            assert!(start >= previous - 0.01 && start <= end, "{w} after {previous}");
+            previous = start;
+        }
+    }
+    assert!(previous > 30.0, "words are timed across the windows: last at {previous}");
+}

@@ -53,11 +53,17 @@ pub struct Transcription {
     format: Format,
     stream: bool,
     word_timestamps: bool,
+    prompt: Option<String>,
+    /// The first decoding pass's temperature; 0 is greedy.
+    temperature: f64,
 }
+
+/// The longest `prompt` taken, in characters (the model reads its last 223 tokens).
+const MAX_PROMPT_CHARS: usize = 4000;
 
 impl Transcription {
     fn new(task: &'static str) -> Transcription {
-        Transcription { task, language: None, format: Format::Json, stream: false, word_timestamps: false }
+        Transcription { task, language: None, format: Format::Json, stream: false, word_timestamps: false, prompt: None, temperature: 0.0 }
     }
 
     /// Takes one form field; refuses what tern cannot honour rather than ignoring it.
@@ -69,13 +75,18 @@ impl Transcription {
             "response_format" => self.format = Format::parse(&value)?,
             "stream" => self.stream = value == "true",
             "temperature" => {
-                let t: f64 = value.parse().map_err(|_| OpenAiError::invalid("invalid_temperature", "temperature must be a number", "temperature"))?;
-                if t != 0.0 {
-                    return Err(OpenAiError::unsupported("temperature", "tern decodes greedily: temperature must be 0"));
-                }
+                self.temperature = value
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|t| (0.0..=1.0).contains(t))
+                    .ok_or_else(|| OpenAiError::invalid("invalid_temperature", "temperature must be a number from 0 to 1", "temperature"))?;
             }
-            "prompt" if !value.is_empty() => {
-                return Err(OpenAiError::unsupported("prompt", "tern does not condition transcription on a prompt yet"));
+            "prompt" if !value.trim().is_empty() => {
+                if value.chars().count() > MAX_PROMPT_CHARS {
+                    return Err(OpenAiError::invalid("prompt_too_long", format!("prompt: at most {MAX_PROMPT_CHARS} characters"), "prompt"));
+                }
+                self.prompt = Some(value);
             }
             "timestamp_granularities[]" | "timestamp_granularities" => match value.as_str() {
                 "segment" => {}
@@ -89,8 +100,12 @@ impl Transcription {
 
     /// Checks the options together, once every field is in.
     fn check(self) -> Result<Transcription, OpenAiError> {
-        if self.word_timestamps {
-            return Err(OpenAiError::unsupported("timestamp_granularities", "tern gives segment timestamps only, not word timestamps yet"));
+        if self.word_timestamps && self.format != Format::VerboseJson && !self.stream {
+            return Err(OpenAiError::invalid(
+                "invalid_timestamp_granularity",
+                "word timestamps come in verbose_json: set response_format to verbose_json",
+                "timestamp_granularities",
+            ));
         }
         if self.stream && self.format != Format::Json && self.format != Format::Text {
             return Err(OpenAiError::unsupported("stream", "streamed transcripts are text: response_format json or text"));
@@ -139,6 +154,15 @@ impl Transcription {
         if let Some(language) = &self.language {
             input["language"] = json!(language);
         }
+        if let Some(prompt) = &self.prompt {
+            input["prompt"] = json!(prompt);
+        }
+        if self.temperature > 0.0 {
+            input["temperature"] = json!(self.temperature);
+        }
+        if self.word_timestamps && !self.stream {
+            input["word_timestamps"] = json!(true);
+        }
         json!({ "kind": "transcribe", "input": input })
     }
 
@@ -158,7 +182,7 @@ impl Transcription {
             Format::Text => Answer::Plain(format!("{text}\n"), "text/plain; charset=utf-8"),
             Format::Srt => Answer::Plain(subtitles(output, false), "application/x-subrip; charset=utf-8"),
             Format::Vtt => Answer::Plain(subtitles(output, true), "text/vtt; charset=utf-8"),
-            Format::VerboseJson => Answer::Json(verbose(output, self.task, &text)),
+            Format::VerboseJson => Answer::Json(verbose(output, self.task, &text, self.word_timestamps)),
         }
     }
 }
@@ -208,18 +232,18 @@ async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, 
     let mut waited = Waited::submit(&state, &tenant, request.job_request(json!({ "upload_key": key })), &headers).await?;
     let job_header = waited.header();
     if request.stream {
-        // The transcript comes segment by segment once the job finished; comments keep the
-        // connection open meanwhile. Dropped early (the client left), the stream drops
-        // `waited`, which cancels the job.
-        let events = futures::stream::once(async move {
-            let job = waited.finished().await?;
-            let output = waited.output(&job).await?;
-            Ok::<_, OpenAiError>(stream_events(&output))
+        // The transcript comes as the worker finishes windows (the text of the leading ones
+        // done); comments keep the connection open meanwhile. Dropped early (the client left),
+        // the stream drops `waited`, which cancels the job.
+        let live = Live { state, waited, sent: 0, done: false };
+        let events = futures::stream::unfold(live, |mut live| async move {
+            if live.done {
+                return None;
+            }
+            let events = live.next_events().await;
+            Some((futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>)), live))
         })
-        .flat_map(|result| {
-            let events = result.unwrap_or_else(|e| vec![sse_data(&json!({ "type": "error", "error": { "code": e.code, "message": e.message } }))]);
-            futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>))
-        });
+        .flatten();
         return Ok(([job_header], Sse::new(events).keep_alive(KeepAlive::default())).into_response());
     }
     let job = waited.finished().await?;
@@ -241,22 +265,33 @@ fn segments(output: &Value) -> &[Value] {
     output["segments"].as_array().map_or(&[], Vec::as_slice)
 }
 
-/// `verbose_json`: the text with its language, duration and timed segments.
-fn verbose(output: &Value, task: &str, text: &str) -> Value {
-    let segments: Vec<Value> = segments(output)
+/// `verbose_json`: the text with its language, duration and timed segments, and with `words`
+/// its timed words (OpenAI's shape: the word without its leading space, start, end).
+fn verbose(output: &Value, task: &str, text: &str, words: bool) -> Value {
+    let numbered: Vec<Value> = segments(output)
         .iter()
         .enumerate()
         .map(|(id, s)| json!({ "id": id, "seek": 0, "start": s["start"], "end": s["end"], "text": s["text"], "tokens": [], "temperature": 0.0 }))
         .collect();
-    json!({
+    let mut v = json!({
         "task": task,
         "language": output["language"],
         "duration": output["duration"],
         "text": text,
-        "segments": segments,
+        "segments": numbered,
         "usage": usage(output),
-    })
+    });
+    if words {
+        let words: Vec<Value> = segments(output)
+            .iter()
+            .flat_map(|s| s["words"].as_array().map_or(&[][..], Vec::as_slice))
+            .map(|w| json!({ "word": w["word"].as_str().unwrap_or_default().trim(), "start": w["start"], "end": w["end"] }))
+            .collect();
+        v["words"] = json!(words);
+    }
+    v
 }
+
 
 /// SRT (`00:00:01,500`) or WebVTT (`00:00:01.500`, with its header) from the segments.
 fn subtitles(output: &Value, vtt: bool) -> String {
@@ -281,14 +316,61 @@ fn subtitles(output: &Value, vtt: bool) -> String {
     out
 }
 
-/// OpenAI's transcript stream: a `transcript.text.delta` per segment, then
-/// `transcript.text.done` with the whole text, which the deltas add up to.
-fn stream_events(output: &Value) -> Vec<axum::response::sse::Event> {
-    let text = output["text"].as_str().unwrap_or_default().trim();
-    let mut events: Vec<_> =
-        deltas(text, output).into_iter().map(|delta| sse_data(&json!({ "type": "transcript.text.delta", "delta": delta }))).collect();
-    events.push(sse_data(&json!({ "type": "transcript.text.done", "text": text, "usage": usage(output) })));
-    events
+/// How often a live transcript looks for new text.
+const STREAM_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// A streamed transcript, OpenAI's events: `transcript.text.delta` as windows finish (the
+/// worker reports the text of the leading windows done, which only grows at its end), the
+/// rest per segment once the job is done, then `transcript.text.done` with the whole text,
+/// which the deltas add up to.
+struct Live {
+    state: AppState,
+    /// Dropped with the stream when the client leaves: the job is canceled.
+    waited: Waited,
+    /// Bytes of the text sent so far.
+    sent: usize,
+    done: bool,
+}
+
+impl Live {
+    fn delta(delta: &str) -> axum::response::sse::Event {
+        sse_data(&json!({ "type": "transcript.text.delta", "delta": delta }))
+    }
+
+    async fn next_events(&mut self) -> Vec<axum::response::sse::Event> {
+        loop {
+            let job = match self.waited.job().await {
+                Ok(job) => job,
+                Err(e) => return self.fail(e),
+            };
+            if job.state.is_terminal() {
+                let output = match self.waited.output(&job).await {
+                    Ok(output) => output,
+                    Err(e) => return self.fail(e),
+                };
+                self.done = true;
+                let text = output["text"].as_str().unwrap_or_default().trim();
+                // What was sent live is the start of the final text; the rest goes per segment.
+                let sent = if text.is_char_boundary(self.sent.min(text.len())) { self.sent.min(text.len()) } else { 0 };
+                let mut events: Vec<_> = deltas(&text[sent..], &output).into_iter().map(Self::delta).collect();
+                events.push(sse_data(&json!({ "type": "transcript.text.done", "text": text, "usage": usage(&output) })));
+                return events;
+            }
+            let progress = self.state.queue.progress(job.kind, job.id).await.ok().flatten();
+            if let Some(text) = progress.and_then(|p| p.text) {
+                if let Some(delta) = text.get(self.sent..).filter(|d| !d.is_empty()) {
+                    self.sent = text.len();
+                    return vec![Self::delta(delta)];
+                }
+            }
+            tokio::time::sleep(STREAM_POLL).await;
+        }
+    }
+
+    fn fail(&mut self, e: OpenAiError) -> Vec<axum::response::sse::Event> {
+        self.done = true;
+        vec![sse_data(&json!({ "type": "error", "error": { "code": e.code, "message": e.message } }))]
+    }
 }
 
 /// `text` cut where each segment's text ends in it (the spaces between them go with the next
@@ -342,9 +424,43 @@ mod tests {
     }
 
     #[test]
+    fn prompt_temperature_and_word_timestamps_reach_the_job_or_are_refused_by_name() {
+        let body = json!({ "file": "https://example.com/a.wav", "prompt": "Kenobi", "temperature": 0.4,
+            "response_format": "verbose_json", "timestamp_granularities": ["segment", "word"] });
+        let (request, file) = Transcription::from_json(&body, "transcribe").unwrap();
+        let job = request.job_request(file);
+        assert_eq!(job["input"]["prompt"], "Kenobi");
+        assert_eq!(job["input"]["temperature"], 0.4);
+        assert_eq!(job["input"]["word_timestamps"], true);
+        let refused = |body: Value| Transcription::from_json(&body, "transcribe").err().map(|e| (e.code, e.param));
+        assert_eq!(refused(json!({ "file": "up", "temperature": 1.5 })), Some(("invalid_temperature".into(), Some("temperature"))));
+        assert_eq!(
+            refused(json!({ "file": "up", "timestamp_granularities": ["word"] })),
+            Some(("invalid_timestamp_granularity".into(), Some("timestamp_granularities")))
+        );
+        assert_eq!(refused(json!({ "file": "up", "prompt": "x".repeat(MAX_PROMPT_CHARS + 1) })).unwrap().0, "prompt_too_long");
+        // Greedy and without words, the job asks for neither.
+        let (plain, file) = Transcription::from_json(&json!({ "file": "up", "temperature": 0 }), "transcribe").unwrap();
+        let job = plain.job_request(file);
+        assert!(job["input"].get("temperature").is_none() && job["input"].get("word_timestamps").is_none(), "{job}");
+    }
+
+    #[test]
+    fn verbose_json_lists_the_words_of_every_segment_without_their_spaces() {
+        let mut out = output();
+        out["segments"][0]["words"] = json!([{ "word": " Hello", "start": 0.0, "end": 0.5, "probability": 0.9 }, { "word": " there.", "start": 0.5, "end": 1.5, "probability": 0.8 }]);
+        out["segments"][1]["words"] = json!([{ "word": " General", "start": 3722.0, "end": 3722.6, "probability": 0.9 }]);
+        let v = verbose(&out, "transcribe", "Hello there. General", true);
+        assert_eq!(v["words"], json!([
+            { "word": "Hello", "start": 0.0, "end": 0.5 }, { "word": "there.", "start": 0.5, "end": 1.5 }, { "word": "General", "start": 3722.0, "end": 3722.6 },
+        ]));
+        assert!(verbose(&out, "transcribe", "", false).get("words").is_none());
+    }
+
+    #[test]
     fn usage_counts_whole_seconds_and_verbose_json_numbers_segments() {
         assert_eq!(usage(&output()), json!({ "type": "duration", "seconds": 3724 }));
-        let v = verbose(&output(), "transcribe", "Hello there. General Kenobi.");
+        let v = verbose(&output(), "transcribe", "Hello there. General Kenobi.", false);
         assert_eq!(v["segments"][1]["id"], 1);
         assert_eq!(v["segments"][1]["end"], 3723.25);
     }

@@ -187,7 +187,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         let inputs: Vec<(&[f32], &TranscribeOptions)> = short.iter().map(|(p, _)| (p.as_slice(), &opts)).collect();
         let pb = progress(inputs.len(), format!("budget {budget}"))?;
         let t = Instant::now();
-        let out = whisper.transcribe_many(&inputs, budget, &|_| false, &mut |_, _, _| {});
+        let out = whisper.transcribe_many(&inputs, budget, &|_| false, &mut |_, _| {});
         let short_secs = t.elapsed().as_secs_f64();
         pb.finish_and_clear();
         let texts = out
@@ -204,7 +204,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         alone.get_or_insert(texts);
 
         let t = Instant::now();
-        let long_out = whisper.transcribe_many(&[(long.as_slice(), &opts)], budget, &|_| false, &mut |_, _, _| {});
+        let long_out = whisper.transcribe_many(&[(long.as_slice(), &opts)], budget, &|_| false, &mut |_, _| {});
         let long_secs = t.elapsed().as_secs_f64();
         let long_text = long_out.into_iter().next().context("one result")?.map_err(|e| anyhow::anyhow!("{e:#}"))?.text;
         let long_wer = word_errors(&long_words, &words(&long_text)) as f64 / long_words.len().max(1) as f64;

@@ -19,6 +19,8 @@ pub(crate) struct Specials {
     /// First timestamp token (`<|0.00|>`); each later id is +0.02 s.
     pub timestamp_begin: u32,
     pub no_speech: Option<u32>,
+    /// `<|startofprev|>`: a text prompt follows it, before the SOT.
+    pub prev: Option<u32>,
     /// From config.json `suppress_ids`: never sampled.
     pub suppress: Vec<u32>,
     /// From config.json `suppress_ids_begin`: not sampled as the first token (blank, EOT).
@@ -29,19 +31,24 @@ pub(crate) struct Specials {
 pub(crate) const SAMPLE_LEN: usize = 224;
 /// Latest first timestamp allowed (1.0 s, in 0.02 s steps), as OpenAI's `max_initial_timestamp`.
 const MAX_INITIAL_TIMESTAMP_INDEX: u32 = 50;
-/// Fallback thresholds and temperatures from OpenAI's `transcribe()`.
-pub(crate) const TEMPERATURES: [f64; 6] = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0];
+/// Fallback thresholds and temperatures from OpenAI's `transcribe()`: a window that decodes
+/// badly runs again at its temperature plus 0.2, up to 1.0.
+const TEMPERATURE_STEP: f64 = 0.2;
+const MAX_TEMPERATURE: f64 = 1.0;
 const LOGPROB_THRESHOLD: f64 = -1.0;
 const COMPRESSION_RATIO_THRESHOLD: f64 = 2.4;
 pub(crate) const NO_SPEECH_THRESHOLD: f64 = 0.6;
 
 /// Result of decoding one window.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Decoded {
     /// Sampled tokens, without the prompt and without EOT.
     pub tokens: Vec<u32>,
     pub avg_logprob: f64,
     pub no_speech_prob: f64,
+    /// The window's keys/values and encoder output, handed back where it asked for word
+    /// timestamps ([`Window::features`]).
+    pub audio: Option<(CrossKv, Tensor)>,
 }
 
 impl Decoded {
@@ -185,6 +192,11 @@ pub(crate) struct Window {
     pub cross: CrossKv,
     pub prompt: Vec<u32>,
     pub timestamps: bool,
+    /// The first temperature tried: 0 decodes greedily.
+    pub temperature: f64,
+    /// The window's encoder output `(frames, d_model)`, kept where word timestamps are asked
+    /// for: handed back with its result.
+    pub features: Option<Tensor>,
     /// Seeds the sampling of the temperature fallback.
     pub seed: u64,
     /// Give up (result `None`) instead of the temperature fallback when greedy decoding looks
@@ -195,8 +207,7 @@ pub(crate) struct Window {
 /// A window in the running batch, at one temperature.
 struct Row {
     window: Window,
-    /// Index into [`TEMPERATURES`].
-    temperature: usize,
+    temperature: f64,
     rng: Rng,
     /// The prompt, then the tokens sampled so far.
     tokens: Vec<u32>,
@@ -214,7 +225,7 @@ struct Row {
 }
 
 impl Row {
-    fn new(window: Window, temperature: usize, rng: Rng, best: Option<Decoded>) -> Row {
+    fn new(window: Window, temperature: f64, rng: Rng, best: Option<Decoded>) -> Row {
         let tokens = window.prompt.clone();
         Row { window, temperature, rng, tokens, fed: 0, sum_logprob: 0.0, no_speech_prob: 0.0, best, finished: false, reported: false }
     }
@@ -230,7 +241,13 @@ impl Row {
 
     fn decoded(&self) -> Decoded {
         let tokens = self.sampled().to_vec();
-        Decoded { avg_logprob: self.sum_logprob / tokens.len().max(1) as f64, tokens, no_speech_prob: self.no_speech_prob }
+        Decoded { avg_logprob: self.sum_logprob / tokens.len().max(1) as f64, tokens, no_speech_prob: self.no_speech_prob, audio: None }
+    }
+
+    /// Its result with what it keeps for word timestamps.
+    fn answer(&self, mut d: Decoded) -> Decoded {
+        d.audio = self.window.features.clone().map(|f| (self.window.cross.clone(), f));
+        d
     }
 }
 
@@ -306,8 +323,8 @@ impl<'a> WindowBatch<'a> {
 
     /// Queues a window; it starts decoding at the next step with room.
     pub fn add(&mut self, window: Window) {
-        let rng = Rng(window.seed | 1);
-        self.waiting.push_back(Row::new(window, 0, rng, None));
+        let (rng, temperature) = (Rng(window.seed | 1), window.temperature);
+        self.waiting.push_back(Row::new(window, temperature, rng, None));
     }
 
     /// Takes every window out, decoding or waiting; the tags of those not reported yet. For a
@@ -339,7 +356,7 @@ impl<'a> WindowBatch<'a> {
             seated.sort_by_key(|r| r.window.prompt.len());
             for same in seated.chunk_by_mut(|a, b| a.window.prompt.len() == b.window.prompt.len()) {
                 let len = same[0].window.prompt.len();
-                let room = len + SAMPLE_LEN;
+                let room = (len + SAMPLE_LEN).min(self.decoder.max_positions());
                 if len < 2 {
                     same.iter().for_each(|_| self.decoder.push_row(&mut self.kv, room));
                     continue;
@@ -435,7 +452,7 @@ impl<'a> WindowBatch<'a> {
                 return;
             }
             apply_rules(&mut logits, r.sampled(), sp, r.window.timestamps);
-            let next = pick(&logits, TEMPERATURES[r.temperature], &mut r.rng);
+            let next = pick(&logits, r.temperature, &mut r.rng);
             if next == sp.eot {
                 r.finished = true;
                 return;
@@ -452,10 +469,11 @@ impl<'a> WindowBatch<'a> {
             r.reported = true;
             let d = r.decoded();
             if !needs_fallback(&d) {
-                out.push((r.window.tag, Some(d)));
+                out.push((r.window.tag, Some(r.answer(d))));
                 continue;
             }
-            if r.temperature == 0 && r.window.give_up {
+            let first_pass = r.best.is_none();
+            if first_pass && r.window.give_up {
                 out.push((r.window.tag, None));
                 continue;
             }
@@ -463,12 +481,13 @@ impl<'a> WindowBatch<'a> {
                 Some(b) if b.avg_logprob >= d.avg_logprob => b,
                 _ => d,
             };
-            if r.temperature + 1 == TEMPERATURES.len() {
-                out.push((r.window.tag, Some(best)));
+            let next = r.temperature + TEMPERATURE_STEP;
+            if next > MAX_TEMPERATURE + 1e-6 {
+                out.push((r.window.tag, Some(r.answer(best))));
                 continue;
             }
             // The sampler goes on from where this temperature left it, as OpenAI's does.
-            rerun.push(Row::new(r.window.clone(), r.temperature + 1, r.rng.clone(), Some(best)));
+            rerun.push(Row::new(r.window.clone(), next, r.rng.clone(), Some(best)));
         }
         self.waiting.extend(rerun);
         self.compact()?;

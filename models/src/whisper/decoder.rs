@@ -434,6 +434,30 @@ impl Decoder {
     /// the decoder, appending their keys/values to `cache`. Returns the final-layer-normed hidden
     /// states `(batch, len, d_model)`.
     pub fn forward(&self, tokens: &Tensor, cross: &CrossKv, cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_keeping(tokens, cross, cache, None)
+    }
+
+    /// Runs one window's `tokens` (from its SOT) through the decoder over `cross`, keeping the
+    /// cross-attention query-key products (scaled, before the softmax) of `heads`, `(layer,
+    /// head)` pairs, against `features`, the window's encoder output `(frames, d_model)`:
+    /// `[pair][token][frame]`, for word timestamps. Also returns the hidden states `(1, len,
+    /// d_model)`. The products are F32 from the features, whatever precision `cross` holds.
+    pub fn cross_weights(&self, tokens: &[u32], cross: &CrossKv, features: &Tensor, heads: &[(usize, usize)]) -> Result<(Vec<Vec<Vec<f32>>>, Tensor)> {
+        let input = Tensor::from_vec(tokens.to_vec(), (1, tokens.len()), self.device())?;
+        let mut kept = vec![Vec::new(); heads.len()];
+        let hidden = self.forward_keeping(&input, cross, &mut self.new_cache(), Some((features, heads, &mut kept)))?;
+        Ok((kept, hidden))
+    }
+
+    /// [`Decoder::forward`], keeping cross-attention products as [`Decoder::cross_weights`] asks.
+    #[allow(clippy::type_complexity)]
+    fn forward_keeping(
+        &self,
+        tokens: &Tensor,
+        cross: &CrossKv,
+        cache: &mut KvCache,
+        mut keep: Option<(&Tensor, &[(usize, usize)], &mut Vec<Vec<Vec<f32>>>)>,
+    ) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         let offset = cache.len;
         let device = tokens.device();
@@ -489,6 +513,18 @@ impl Decoder {
             let o = self.merge(&o)?;
             *kv = Some((k, v));
             x = (x + a.out.forward(&o)?)?;
+            if let Some((features, heads, kept)) = keep.as_mut() {
+                if heads.iter().any(|&(l, _)| l == i) {
+                    let c = &layer.cross_attn;
+                    let q = (self.heads(&c.q.forward(&layer.cross_ln.forward(&x)?)?)? * self.scale)?.to_dtype(DType::F32)?;
+                    let k = (self.heads(&c.k.forward(&features.unsqueeze(0)?)?)? * self.scale)?.to_dtype(DType::F32)?;
+                    for (pair, &(l, head)) in heads.iter().enumerate().filter(|(_, &(l, _))| l == i) {
+                        debug_assert_eq!(l, i);
+                        let qk = q.i((0, head))?.matmul(&k.i((0, head))?.t()?)?;
+                        kept[pair] = qk.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+                    }
+                }
+            }
             x = self.cross_and_mlp(i, layer, x, cross)?;
         }
         cache.len += t;

@@ -10,6 +10,7 @@ mod decode;
 mod decoder;
 mod encoder;
 mod mel;
+mod words;
 
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -26,6 +27,7 @@ use tokenizers::Tokenizer;
 
 use decode::Specials;
 pub use decode::DecodeStats;
+pub use words::Word;
 
 // The cost unit the API prices audio in (tern_audio::windows_for) is Whisper's window.
 const _: () = assert!(m::CHUNK_LENGTH == tern_audio::WINDOW_SECONDS as usize);
@@ -60,6 +62,16 @@ pub struct TranscribeOptions {
     /// How much of a short window's padding the encoder runs over. Default
     /// [`Padding::DEFAULT_TRIMMED`].
     pub padding: Padding,
+    /// Text that conditions every window (names, spellings, style), fed before its SOT as
+    /// `<|startofprev|>` and the prompt's last 223 tokens, as OpenAI's `initial_prompt`. Windows
+    /// decode in parallel, so each gets this prompt rather than the text before it. Default none.
+    pub prompt: Option<String>,
+    /// The first temperature of each window, 0 to 1: 0 (the default) decodes greedily. A window
+    /// that decodes badly runs again 0.2 hotter, up to 1.
+    pub temperature: f64,
+    /// Time each word ([`Segment::words`]) from the cross-attention of the model's alignment
+    /// heads. Default `false`: it costs one more decoder pass over each window's text.
+    pub word_timestamps: bool,
 }
 
 impl Default for TranscribeOptions {
@@ -70,6 +82,9 @@ impl Default for TranscribeOptions {
             task: Task::Transcribe,
             timestamps: true,
             padding: Padding::DEFAULT_TRIMMED,
+            prompt: None,
+            temperature: 0.0,
+            word_timestamps: false,
         }
     }
 }
@@ -84,6 +99,23 @@ pub struct Segment {
     pub end: f64,
     /// Trimmed text of the segment.
     pub text: String,
+    /// Its words with their times, where [`TranscribeOptions::word_timestamps`] asked for them.
+    /// The segment's start and end are then its first word's start and last word's end, save
+    /// where a word runs well past the segment's own timestamp (OpenAI's rules).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub words: Option<Vec<Word>>,
+}
+
+/// How far a recording got, for [`Whisper::transcribe_many`]'s `progress`.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'t> {
+    /// Windows done.
+    pub done: usize,
+    /// Windows in all ([`windows_for`] of the duration).
+    pub total: usize,
+    /// The transcript of the windows done from the start on, with no window missing: it only
+    /// grows at its end, and once every window is done it is the transcript's text.
+    pub text: &'t str,
 }
 
 /// Result of [`Whisper::transcribe`].
@@ -112,6 +144,9 @@ pub struct Whisper {
     specials: Specials,
     /// (token id, language code) for every language token, empty for `.en` models.
     languages: Vec<(u32, String)>,
+    /// The decoder's (layer, head) pairs whose cross-attention follows the audio in time, for
+    /// word timestamps.
+    alignment_heads: Vec<(usize, usize)>,
     filters: Vec<f32>,
     device: Device,
     weights_bytes: u64,
@@ -295,6 +330,11 @@ struct Pending {
     /// Windows done.
     done: usize,
     error: Option<anyhow::Error>,
+    /// The tokens of its text prompt.
+    prompt: Vec<u32>,
+    /// Windows done from the first on, with none missing, and their text ([`Progress::text`]).
+    leading: usize,
+    text: String,
 }
 
 /// A recording for [`Whisper::transcribe_continuous`]: 16 kHz mono PCM and its options, borrowed
@@ -349,6 +389,9 @@ struct Ct2Config {
     suppress_ids_begin: Vec<u32>,
     #[serde(default)]
     lang_ids: Vec<u32>,
+    /// `[layer, head]` pairs; absent in older conversions.
+    #[serde(default)]
+    alignment_heads: Vec<(usize, usize)>,
 }
 
 fn token(tok: &Tokenizer, s: &str) -> Result<u32> {
@@ -425,6 +468,7 @@ impl Whisper {
             no_speech: m::NO_SPEECH_TOKENS
                 .iter()
                 .find_map(|t| tokenizer.token_to_id(t)),
+            prev: tokenizer.token_to_id("<|startofprev|>"),
             suppress: ct2_cfg.suppress_ids,
             suppress_begin: ct2_cfg.suppress_ids_begin,
         };
@@ -446,6 +490,13 @@ impl Whisper {
         if multilingual && languages.is_empty() {
             bail!("multilingual model but config.json has no usable lang_ids");
         }
+        // Without the model's own list, OpenAI's default: every head of the later half.
+        let alignment_heads = if ct2_cfg.alignment_heads.is_empty() {
+            let layers = config.decoder_layers;
+            (layers / 2..layers).flat_map(|l| (0..config.decoder_attention_heads).map(move |h| (l, h))).collect()
+        } else {
+            ct2_cfg.alignment_heads.clone()
+        };
         Ok(Whisper {
             filters: mel::mel_filters(config.num_mel_bins),
             config,
@@ -454,6 +505,7 @@ impl Whisper {
             tokenizer,
             specials,
             languages,
+            alignment_heads,
             device: device.clone(),
             weights_bytes,
             last_decode: DecodeStats::default(),
@@ -526,7 +578,7 @@ impl Whisper {
         opts: &TranscribeOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Transcript> {
-        self.transcribe_many(&[(pcm, opts)], DECODE_BATCH, &|_| false, &mut |_, done, total| progress(done, total))
+        self.transcribe_many(&[(pcm, opts)], DECODE_BATCH, &|_| false, &mut |_, p| progress(p.done, p.total))
             .pop()
             .expect("one result per input")
     }
@@ -538,7 +590,7 @@ impl Whisper {
     /// windows start when the whole batch is done. Each recording's transcript is the same as
     /// [`Whisper::transcribe`] gives for it alone: windows keep their own sampling seeds and the
     /// rows of a batch do not interact.
-    /// `progress(input, done_windows, total_windows)` is called once per window as it finishes.
+    /// `progress(input, progress)` is called once per window as it finishes ([`Progress`]).
     /// `canceled(input)` is asked before each of its windows is encoded: a canceled input's
     /// remaining windows are skipped and its result is an error.
     /// One result per input, in order; an input that fails (say, an unknown language code) does
@@ -548,7 +600,7 @@ impl Whisper {
         inputs: &[(&[f32], &TranscribeOptions)],
         window_batch: usize,
         canceled: &dyn Fn(usize) -> bool,
-        progress: &mut dyn FnMut(usize, usize, usize),
+        progress: &mut dyn FnMut(usize, Progress<'_>),
     ) -> Vec<Result<Transcript>> {
         let mut all = Some(inputs.iter().map(|&(pcm, options)| TranscribeInput { pcm: Pcm::Borrowed(pcm), options: Cow::Borrowed(options) }).collect::<Vec<_>>());
         let mut results: Vec<Option<Result<Transcript>>> = inputs.iter().map(|_| None).collect();
@@ -567,7 +619,7 @@ impl Whisper {
         window_batch: usize,
         admit: &mut dyn FnMut() -> Vec<TranscribeInput<'a>>,
         canceled: &dyn Fn(usize) -> bool,
-        progress: &mut dyn FnMut(usize, usize, usize),
+        progress: &mut dyn FnMut(usize, Progress<'_>),
         done: &mut dyn FnMut(usize, Result<Transcript>),
     ) {
         let capacity = window_batch.max(1);
@@ -587,15 +639,22 @@ impl Whisper {
                     let i = inputs.len();
                     let windows = window_cuts(&input.pcm);
                     let total = windows.len();
-                    let (language, error) = match self.resolve_language(&input.options) {
+                    let (language, mut error) = match self.resolve_language(&input.options) {
                         Ok(l) => (l, None),
                         Err(e) => (None, Some(e)),
+                    };
+                    let prompt = match self.prompt_tokens(&input.options) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            error.get_or_insert(e);
+                            Vec::new()
+                        }
                     };
                     if error.is_none() {
                         let padding = input.options.padding;
                         queue.extend(windows.iter().enumerate().map(|(w, &range)| Work { input: i, window: w, range, positions: encoder_positions(padding, range.1 - range.0), tail: false }));
                     }
-                    items.push(Pending { window_segments: vec![Vec::new(); total], open: vec![1; total], done: 0, total, language, error });
+                    items.push(Pending { window_segments: vec![Vec::new(); total], open: vec![1; total], done: 0, total, language, error, prompt, leading: 0, text: String::new() });
                     inputs.push(Some(input));
                     open.push(i);
                 }
@@ -618,7 +677,7 @@ impl Whisper {
                 }
                 match self.encode(&inputs, &taken, &mut items) {
                     Ok(crosses) => {
-                        for (work, cross) in taken.into_iter().zip(crosses) {
+                        for (work, (cross, features)) in taken.into_iter().zip(crosses) {
                             let opts = &input_of(&inputs, work.input).options;
                             let tag = works.len();
                             works.push(work);
@@ -627,6 +686,8 @@ impl Whisper {
                                 cross,
                                 prompt: self.prompt(opts, &items[work.input]),
                                 timestamps: opts.timestamps,
+                                temperature: opts.temperature.clamp(0.0, 1.0),
+                                features,
                                 // Seeds follow the window's place in its own recording, so
                                 // batching cannot change what a fallback samples.
                                 seed: work.window as u64 + 1,
@@ -695,20 +756,45 @@ impl Whisper {
         self.last_decode = stats;
     }
 
-    /// The decoder prompt of an input whose language is resolved.
+    /// The decoder prompt of an input whose language is resolved: its text prompt after
+    /// `<|startofprev|>`, then the SOT sequence.
     fn prompt(&self, opts: &TranscribeOptions, item: &Pending) -> Vec<u32> {
-        let mut prompt = vec![self.specials.sot];
-        if self.is_multilingual() {
-            prompt.extend(item.language.as_ref().and_then(|(token, _)| *token));
-            prompt.extend(match opts.task {
-                Task::Transcribe => self.specials.transcribe,
-                Task::Translate => self.specials.translate,
-            });
+        let mut prompt = Vec::new();
+        if let (Some(prev), false) = (self.specials.prev, item.prompt.is_empty()) {
+            prompt.push(prev);
+            prompt.extend_from_slice(&item.prompt);
         }
+        prompt.extend(self.sot_sequence(opts.task, item));
         if !opts.timestamps {
             prompt.push(self.specials.no_timestamps);
         }
         prompt
+    }
+
+    /// SOT, then the language and task tokens on multilingual models.
+    fn sot_sequence(&self, task: Task, item: &Pending) -> Vec<u32> {
+        let mut sequence = vec![self.specials.sot];
+        if self.is_multilingual() {
+            sequence.extend(item.language.as_ref().and_then(|(token, _)| *token));
+            sequence.extend(match task {
+                Task::Transcribe => self.specials.transcribe,
+                Task::Translate => self.specials.translate,
+            });
+        }
+        sequence
+    }
+
+    /// The tokens of the text prompt (` ` and the trimmed text, as OpenAI's), its last 223:
+    /// with the SOT sequence and 224 sampled tokens they fit the 448-token context.
+    fn prompt_tokens(&self, opts: &TranscribeOptions) -> Result<Vec<u32>> {
+        let Some(text) = opts.prompt.as_deref().map(str::trim).filter(|t| !t.is_empty()) else { return Ok(Vec::new()) };
+        if self.specials.prev.is_none() {
+            bail!("this model's vocabulary has no <|startofprev|> token to take a prompt");
+        }
+        let encoding = self.tokenizer.encode(format!(" {text}"), false).map_err(|e| anyhow!("tokenizing the prompt: {e}"))?;
+        let ids = encoding.get_ids();
+        let keep = self.decoder.max_positions() / 2 - 1;
+        Ok(ids[ids.len().saturating_sub(keep)..].to_vec())
     }
 
     /// Takes in a decoded piece of audio: its segments go to its window, the untranscribed end
@@ -722,7 +808,7 @@ impl Whisper {
         decoded: Option<decode::Decoded>,
         items: &mut [Pending],
         queue: &mut VecDeque<Work>,
-        progress: &mut dyn FnMut(usize, usize, usize),
+        progress: &mut dyn FnMut(usize, Progress<'_>),
     ) {
         let item = &mut items[work.input];
         if item.error.is_some() {
@@ -736,9 +822,19 @@ impl Whisper {
         let (start, end) = work.range;
         let mut segments = Vec::new();
         if !d.is_silence() {
-            if let Err(e) = self.segments_of(&d.tokens, start as f64 / sr, end as f64 / sr, &mut segments) {
-                item.error = Some(e);
-                return;
+            let found = self.segments_of(&d.tokens, start as f64 / sr, end as f64 / sr).and_then(|mut timed| {
+                if let Some((cross, features)) = &d.audio {
+                    let task = input_of(inputs, work.input).options.task;
+                    self.time_words(task, item, work.range, cross, features, &mut timed)?;
+                }
+                Ok(timed)
+            });
+            match found {
+                Ok(timed) => segments.extend(timed.into_iter().map(|(s, _)| s).filter(|s| !s.text.is_empty())),
+                Err(e) => {
+                    item.error = Some(e);
+                    return;
+                }
             }
         }
         // Whisper may end a window early, at a timestamp well before its end, leaving speech
@@ -759,8 +855,79 @@ impl Whisper {
         item.open[work.window] -= 1;
         if item.open[work.window] == 0 {
             item.done += 1;
-            progress(work.input, item.done, item.total);
+            while item.leading < item.total && item.open[item.leading] == 0 {
+                for s in &item.window_segments[item.leading] {
+                    if !item.text.is_empty() {
+                        item.text.push(' ');
+                    }
+                    item.text.push_str(&s.text);
+                }
+                item.leading += 1;
+            }
+            progress(work.input, Progress { done: item.done, total: item.total, text: &item.text });
         }
+    }
+
+    /// Times the words of a window's `segments` (each with its text tokens): one decoder pass
+    /// over the SOT sequence, `<|notimestamps|>`, the text and EOT keeps the alignment heads'
+    /// cross-attention over the window's audio (`range`, samples of the recording), which
+    /// [`words`] aligns to the tokens.
+    fn time_words(
+        &self,
+        task: Task,
+        item: &Pending,
+        range: (usize, usize),
+        cross: &decoder::CrossKv,
+        features: &candle_core::Tensor,
+        segments: &mut [(Segment, Vec<u32>)],
+    ) -> Result<()> {
+        let text: Vec<u32> = segments.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        if text.is_empty() {
+            return Ok(());
+        }
+        let sot = self.sot_sequence(task, item);
+        let eot = self.specials.eot;
+        let mut tokens = sot.clone();
+        tokens.push(self.specials.no_timestamps);
+        tokens.extend_from_slice(&text);
+        tokens.push(eot);
+        // The encoder positions that hold the window's audio (two mel frames each).
+        let positions = ((range.1 - range.0) / m::HOP_LENGTH / 2).clamp(1, features.dim(0)?);
+        let features = features.narrow(0, 0, positions)?;
+        let (heads, hidden) = self.decoder.cross_weights(&tokens, cross, &features, &self.alignment_heads)?;
+        let matrix = words::Attention { heads }.matrix(sot.len());
+        let cost: Vec<Vec<f32>> = matrix.into_iter().map(|row| row.into_iter().map(|x| -x).collect()).collect();
+        let path = words::dtw(&cost);
+        // Each text token's probability among the text tokens, from the position before it.
+        let (_, len, d) = hidden.dims3()?;
+        let rows = hidden.narrow(1, sot.len(), text.len().min(len - sot.len()))?.reshape(((), 1, d))?;
+        let probabilities: Vec<f64> = self
+            .decoder
+            .logits_vecs(&rows, 0)?
+            .iter()
+            .zip(&text)
+            .map(|(logits, &t)| {
+                let text_logits = &logits[..eot as usize];
+                f64::from(text_logits[t as usize] - tern_kernels::cpu_kernels::log_sum_exp(text_logits)).exp().clamp(0.0, 1.0)
+            })
+            .collect();
+        let mut with_eot = text.clone();
+        with_eot.push(eot);
+        let language = item.language.as_ref().map_or("en", |(_, code)| code.as_str());
+        let spaces = !matches!(language, "zh" | "ja" | "th" | "lo" | "my" | "yue");
+        let decode = |ids: &[u32]| self.tokenizer.decode(ids, false).unwrap_or_default();
+        let split = words::split_words(&with_eot, eot, spaces, &decode);
+        let mut timings = words::timings(&split, &path, &probabilities);
+        let median = words::tidy(&mut timings);
+        let sr = m::SAMPLE_RATE as f64;
+        let (offset, window_end) = (range.0 as f64 / sr, range.1 as f64 / sr);
+        let mut places: Vec<_> = segments.iter_mut().map(|(s, t)| (&mut s.start, &mut s.end, t.len(), &mut s.words)).collect();
+        words::place(&timings, median, offset, &mut places, offset);
+        for (s, _) in segments.iter_mut() {
+            s.end = s.end.min(window_end);
+            s.start = s.start.clamp(offset, s.end);
+        }
+        Ok(())
     }
 
     /// The language to decode with: `None` when it must be detected from the first window.
@@ -785,12 +952,16 @@ impl Whisper {
 
     /// Encodes the audio of `works` and returns each one's cross-attention keys/values (one
     /// row each), detecting the language of inputs that need it from their first window.
-    fn encode(&self, inputs: &[Option<TranscribeInput<'_>>], works: &[Work], items: &mut [Pending]) -> Result<Vec<decoder::CrossKv>> {
+    /// A window whose input asks for word timestamps also gets its encoder output.
+    #[allow(clippy::type_complexity)]
+    fn encode(&self, inputs: &[Option<TranscribeInput<'_>>], works: &[Work], items: &mut [Pending]) -> Result<Vec<(decoder::CrossKv, Option<candle_core::Tensor>)>> {
         let positions: Vec<usize> = works.iter().map(|w| w.positions).collect();
         // Windows run through the encoder in groups (see `encoder_groups`); a window shorter
         // than its group's longest gets zero mel frames after its own, which the encoder
         // ignores, and the decoder attends to its own frames only.
         let mut crosses: Vec<Option<decoder::CrossKv>> = vec![None; works.len()];
+        let mut features: Vec<Option<candle_core::Tensor>> = vec![None; works.len()];
+        let wants_words = |r: usize| input_of(inputs, works[r].input).options.word_timestamps;
         let mixed = self.encoder.takes_lengths();
         // Where the encoder and the cross-attention take windows end to end, all of them go
         // through as one group with no padding at all.
@@ -815,6 +986,14 @@ impl Whisper {
             let cross = if ragged {
                 let (encoded, lens) = self.encoder.forward_ragged(&mels)?;
                 drop(mels);
+                let mut at = 0;
+                for (k, &r) in rows.iter().enumerate() {
+                    if wants_words(r) {
+                        // A copy: a view would keep the whole group's output alive.
+                        features[r] = Some(encoded.narrow(0, at, lens[k])?.copy()?);
+                    }
+                    at += lens[k];
+                }
                 self.decoder.cross_kv_ragged(&encoded, &lens)?
             } else {
                 let mels = mels
@@ -825,14 +1004,20 @@ impl Whisper {
                 let lens: Vec<usize> = rows.iter().map(|&r| positions[r]).collect();
                 let encoded = self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?, mixed.then_some(lens.as_slice()))?;
                 drop(mels);
+                for (k, &r) in rows.iter().enumerate() {
+                    if wants_words(r) {
+                        features[r] = Some(encoded.get(k)?.narrow(0, 0, lens[k])?.copy()?);
+                    }
+                }
                 self.decoder.cross_kv(&encoded, Some(&lens))?
             };
             for (k, &r) in rows.iter().enumerate() {
                 crosses[r] = Some(cross.row(k)?);
             }
         }
-        let crosses: Vec<decoder::CrossKv> = crosses.into_iter().map(|c| c.expect("every row is in a group")).collect();
-        for (work, cross) in works.iter().zip(&crosses) {
+        let crosses: Vec<(decoder::CrossKv, Option<candle_core::Tensor>)> =
+            crosses.into_iter().zip(features).map(|(c, f)| (c.expect("every row is in a group"), f)).collect();
+        for (work, (cross, _)) in works.iter().zip(&crosses) {
             if items[work.input].language.is_none() {
                 let (id, code) = self.detect_language(cross)?;
                 items[work.input].language = Some((Some(id), code));
@@ -841,15 +1026,12 @@ impl Whisper {
         Ok(crosses)
     }
 
-    /// Splits a window's tokens at timestamp tokens into segments; text after the last
-    /// timestamp (or a window without timestamps) runs to the window end.
-    fn segments_of(
-        &self,
-        tokens: &[u32],
-        offset: f64,
-        window_end: f64,
-        out: &mut Vec<Segment>,
-    ) -> Result<()> {
+    /// Splits a window's tokens at timestamp tokens into segments, each with its text tokens;
+    /// text after the last timestamp (or a window without timestamps) runs to the window end.
+    /// Segments whose text is blank are kept (their tokens count for word timestamps), with
+    /// empty text.
+    fn segments_of(&self, tokens: &[u32], offset: f64, window_end: f64) -> Result<Vec<(Segment, Vec<u32>)>> {
+        let mut out = Vec::new();
         let tb = self.specials.timestamp_begin;
         let mut seg_start = offset;
         let mut text_tokens: Vec<u32> = Vec::new();
@@ -861,16 +1043,9 @@ impl Whisper {
                 .tokenizer
                 .decode(text_tokens, true)
                 .map_err(|e| anyhow!("detokenizing: {e}"))?;
-            text_tokens.clear();
             let text = text.trim().to_string();
-            if !text.is_empty() {
-                let start = start.min(window_end);
-                out.push(Segment {
-                    start,
-                    end: end.clamp(start, window_end),
-                    text,
-                });
-            }
+            let start = start.min(window_end);
+            out.push((Segment { start, end: end.clamp(start, window_end), text, words: None }, std::mem::take(text_tokens)));
             Ok(())
         };
         for &t in tokens {
@@ -883,7 +1058,7 @@ impl Whisper {
             }
         }
         flush(&mut text_tokens, seg_start, window_end)?;
-        Ok(())
+        Ok(out)
     }
 }
 

@@ -112,13 +112,25 @@ impl EngineError {
 
 type Reply<T> = oneshot::Sender<Result<Served<T>, EngineError>>;
 
+/// A transcription's progress as the model thread reports it, once per window done.
+#[derive(Debug, Clone)]
+pub struct TranscribeProgress {
+    /// Windows done.
+    pub done: usize,
+    /// Windows in all.
+    pub total: usize,
+    /// The transcript of the windows done from the first on, with none missing: it grows at
+    /// its end.
+    pub text: String,
+}
+
 enum Request {
     Transcribe {
         /// Shared with the model while it runs, kept to run the recording again if its batch
         /// runs out of memory.
         pcm: Arc<Vec<f32>>,
         options: TranscribeOptions,
-        progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
+        progress: tokio_mpsc::UnboundedSender<TranscribeProgress>,
         /// Set when the job is canceled or released: its remaining windows are skipped.
         stop: Arc<AtomicBool>,
         reply: Reply<Transcript>,
@@ -364,13 +376,14 @@ impl Engine {
         rx.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))?
     }
 
-    /// Transcribes 16 kHz mono PCM; progress (windows done, total) arrives on `progress`;
+    /// Transcribes 16 kHz mono PCM; progress (windows done, total, the text of the leading
+    /// windows done) arrives on `progress`;
     /// raising `stop` skips the windows not yet started (the reply is then an error).
     pub async fn transcribe(
         &self,
         pcm: Vec<f32>,
         options: TranscribeOptions,
-        progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
+        progress: tokio_mpsc::UnboundedSender<TranscribeProgress>,
         stop: Arc<AtomicBool>,
     ) -> Result<Served<Transcript>, EngineError> {
         let (reply, answer) = oneshot::channel();
@@ -537,7 +550,7 @@ impl Thread {
                 out_of_memory = Some(e.to_string());
                 again = pending;
             } else {
-                type Job = (Arc<Vec<f32>>, TranscribeOptions, tokio_mpsc::UnboundedSender<(usize, usize)>, Arc<AtomicBool>, Reply<Transcript>);
+                type Job = (Arc<Vec<f32>>, TranscribeOptions, tokio_mpsc::UnboundedSender<TranscribeProgress>, Arc<AtomicBool>, Reply<Transcript>);
                 // Per request number, until it is answered.
                 let jobs: std::cell::RefCell<Vec<Option<Job>>> = Default::default();
                 let mut waiting: Vec<Request> = pending;
@@ -574,9 +587,9 @@ impl Thread {
                         .collect()
                 };
                 let canceled = |i: usize| jobs.borrow()[i].as_ref().is_some_and(|(_, _, _, stop, _)| stop.load(Ordering::Relaxed));
-                let mut progress = |i: usize, done: usize, total: usize| {
+                let mut progress = |i: usize, p: tern_models::whisper::Progress<'_>| {
                     if let Some((_, _, progress, ..)) = &jobs.borrow()[i] {
-                        let _ = progress.send((done, total));
+                        let _ = progress.send(TranscribeProgress { done: p.done, total: p.total, text: p.text.to_string() });
                     }
                 };
                 let mut served = 0usize;

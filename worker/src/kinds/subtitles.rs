@@ -36,8 +36,8 @@ mod tests {
 
     fn segments() -> Vec<Segment> {
         vec![
-            Segment { start: 0.0, end: 2.5, text: " Hello there.".into() },
-            Segment { start: 3661.25, end: 3662.0, text: "An hour later.".into() },
+            Segment { start: 0.0, end: 2.5, text: " Hello there.".into(), words: None },
+            Segment { start: 3661.25, end: 3662.0, text: "An hour later.".into(), words: None },
         ]
     }
 

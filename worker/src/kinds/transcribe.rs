@@ -5,6 +5,7 @@
 //! SRT and VTT.
 
 use super::{engine_failure, permanent, Context, Execution, ExtraOutput};
+use crate::engine::TranscribeProgress;
 use serde_json::{json, Value};
 use tern_jobs::file_ref::FileRef;
 use tern_jobs::{Failure, Job};
@@ -49,11 +50,24 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         task: if input.get("task").and_then(Value::as_str) == Some("translate") { Task::Translate } else { Task::Transcribe },
         timestamps: input.get("timestamps").and_then(Value::as_bool).unwrap_or(true),
         padding: ctx.whisper_padding,
+        prompt: input.get("prompt").and_then(Value::as_str).map(str::to_string),
+        temperature: input.get("temperature").and_then(Value::as_f64).unwrap_or(0.0),
+        word_timestamps: input.get("word_timestamps").and_then(Value::as_bool).unwrap_or(false),
     };
-    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<TranscribeProgress>();
     let report = async {
-        while let Some((done, total)) = progress_rx.recv().await {
-            if let Err(e) = ctx.queue.set_progress(job.kind, job.id, done as u64, total as u64).await {
+        while let Some(mut p) = progress_rx.recv().await {
+            // Only the newest state matters.
+            while let Ok(newer) = progress_rx.try_recv() {
+                p = newer;
+            }
+            // The transcript so far goes with the count, so streams show text as windows end.
+            let written = if p.text.is_empty() {
+                ctx.queue.set_progress(job.kind, job.id, p.done as u64, p.total as u64).await
+            } else {
+                ctx.queue.set_progress_text(job.kind, job.id, p.done as u64, p.total as u64, &p.text).await
+            };
+            if let Err(e) = written {
                 tracing::warn!(error = %e, "could not record progress");
             }
             super::progress_event(job, ctx).await;
