@@ -342,7 +342,13 @@ fn half_precision_transcribes_like_f32() {
         assert_eq!(auto_bytes, f32_bytes, "auto is F32 on a CPU without AVX-512 BF16");
     }
     whisper.warmup(2).expect("warmup in F16");
-    let tr = whisper.transcribe(&pcm, &TranscribeOptions::default(), &mut |_, _| {}).unwrap();
+    // With word timestamps: the alignment pass reads F16 encoder output, as on a GPU.
+    let opts = TranscribeOptions { word_timestamps: true, ..Default::default() };
+    let tr = whisper.transcribe(&pcm, &opts, &mut |_, _| {}).unwrap();
+    for s in &tr.segments {
+        let spelled: String = s.words.as_ref().expect("words").iter().map(|w| w.word.as_str()).collect();
+        assert_eq!(spelled.trim(), s.text);
+    }
     let r = words(&reference);
     let wer = word_errors(&r, &words(&tr.text)) as f64 / r.len() as f64;
     eprintln!("F16: {:?} (WER {:.1}%)", tr.text, 100.0 * wer);
