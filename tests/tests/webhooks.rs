@@ -474,15 +474,16 @@ async fn deliveries_answered_gone_together_are_each_recorded() {
         })
         .await
         .unwrap();
-    let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_attempts")
-        .fetch_one(&cluster.pg)
-        .await
-        .unwrap();
-    assert_eq!(
-        recorded as usize,
-        gone.requests(),
-        "every request sent is recorded"
-    );
+    // The first 410 recorded disables the endpoint and ends every pending delivery, which can
+    // happen while the other answers' attempts are still being written: wait for those.
+    let recorded = || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_attempts").fetch_one(&cluster.pg).await?;
+        Ok::<_, anyhow::Error>(n as usize)
+    };
+    let _ = cluster
+        .wait_until("every request sent recorded", Duration::from_secs(30), || async { Ok(recorded().await? == gone.requests()) })
+        .await;
+    assert_eq!(recorded().await.unwrap(), gone.requests(), "every request sent is recorded");
     let states: Vec<String> = sqlx::query_scalar("SELECT DISTINCT state FROM webhook_deliveries")
         .fetch_all(&cluster.pg)
         .await
