@@ -54,7 +54,7 @@ fn nul_error(path: &str) -> ApiError {
 
 /// A JSON body deserialised into `T`: 415 `unsupported_media_type` unless the content type is
 /// JSON, the errors of [`json_value`], and 422 `invalid_request` when the JSON does not have
-/// `T`'s shape (a missing field, a wrong type).
+/// `T`'s shape (not an object, a missing field, a wrong type).
 pub struct ApiJson<T>(pub T);
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
@@ -78,6 +78,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
             ));
         }
         let value = json_value(Bytes::from_request(req, state).await)?;
+        // Every body of this API is an object; serde would also fill a struct from an array.
+        if !value.is_object() {
+            return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", "the body must be a JSON object"));
+        }
         serde_json::from_value(value)
             .map(ApiJson)
             .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", format!("the body does not fit this request: {e}")))

@@ -31,7 +31,7 @@ use utoipa::{Modify, OpenApi};
         (name = "jobs", description = "Submit, inspect, list and cancel jobs (scopes jobs:write, jobs:read)"),
         (name = "uploads", description = "Presigned uploads for files too large to send as base64"),
         (name = "webhooks", description = "Webhook endpoints of a tenant, and the deliveries of a job's events"),
-        (name = "admin", description = "Operators (admin scope): API keys, queues, jobs of every tenant, workers"),
+        (name = "admin", description = "Operators (admin scope): API keys, queues, jobs of every tenant, tenants' shares, workers"),
         (name = "health", description = "Liveness, readiness, Prometheus metrics and this document; no key needed"),
     )
 )]
@@ -397,6 +397,9 @@ mod tests {
         ("get", "/v1/admin/workers"),
         ("post", "/v1/admin/workers/{id}/drain"),
         ("post", "/v1/admin/workers/{id}/undrain"),
+        ("get", "/v1/admin/tenants"),
+        ("put", "/v1/admin/tenants/{tenant}"),
+        ("delete", "/v1/admin/tenants/{tenant}"),
         ("get", "/v1/admin/system"),
         ("post", "/v1/admin/jobs/{id}/run-now"),
         ("get", "/v1/admin/history"),

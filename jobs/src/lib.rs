@@ -3,8 +3,9 @@
 //! - [`Job`], [`JobKind`], [`Priority`] and [`JobState`]: what a job is.
 //! - [`Store`]: Postgres, the source of truth. Every state change is one transaction that also
 //!   appends to the job's timeline (`job_events`); batch transitions are one statement.
-//! - [`Queue`]: Redis, which only holds what is waiting or leased: a ready sorted set per kind
-//!   (priority + aging + FIFO folded into the score), a delayed set, and fenced leases.
+//! - [`Queue`]: Redis, which only holds what is waiting or leased: ready sorted sets per kind
+//!   (priority + aging + FIFO folded into the score, with tenants sharing each priority by
+//!   weight), a delayed set, and fenced leases.
 //! - [`Reaper`] and [`Reconciler`]: the background services that return expired leases to the
 //!   queue and restore Redis from Postgres after it lost data.
 //! - [`ObjectStore`]: S3-compatible storage for uploads and job outputs.
@@ -29,6 +30,7 @@ pub mod retry_policy;
 pub mod schemas;
 pub mod state;
 pub mod store;
+pub mod tenants;
 
 pub use error::{Error, Result};
 pub use job::{Failure, Job, JobOutput, NewJob, Webhook};

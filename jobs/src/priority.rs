@@ -4,7 +4,8 @@ use std::str::FromStr;
 
 /// How soon a job should run relative to others of its kind. Default: [`Priority::Normal`].
 ///
-/// Within a priority, jobs run first in, first out. Waiting raises a job's effective priority
+/// Within a priority, tenants share the workers by weight and each tenant's jobs run first in,
+/// first out. Waiting raises a job's effective priority
 /// (aging, see [`crate::config::QueueArgs::aging_step_ms`]) so low jobs are never starved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]

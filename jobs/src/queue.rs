@@ -1,6 +1,10 @@
 //! The Redis side of tern: what waits and what is leased. One atomic Lua script per operation
 //! (`queue/*.lua`, each headed by its KEYS and ARGV). All keys of a kind share a hash tag
-//! (`{prefix}:{kind}:…` with the kind in braces), so every script touches one cluster slot.
+//! (`{prefix}:{kind}:…` with the kind in braces), so every script touches one cluster slot;
+//! each script gets that base as its one key and names the rest from it.
+//!
+//! Within a priority, tenants share a kind's workers by weighted fair queueing on job cost
+//! (`queue/fair.lua`): a tenant with 100,000 jobs waiting does not hold back another's 20.
 
 use crate::{JobKind, Priority, Result};
 use chrono::{DateTime, Utc};
@@ -11,9 +15,10 @@ use std::time::Duration;
 use uuid::Uuid;
 
 const CLOCK: &str = include_str!("queue/clock.lua");
+const FAIR: &str = include_str!("queue/fair.lua");
 
 fn script(body: &str) -> Script {
-    Script::new(&format!("{CLOCK}\n{body}"))
+    Script::new(&format!("{CLOCK}\n{FAIR}\n{body}"))
 }
 
 static ENQUEUE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/enqueue.lua")));
@@ -23,6 +28,7 @@ static SETTLE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/se
 static CANCEL: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/cancel.lua")));
 static REAP: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/reap.lua")));
 static RESTORE: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/restore.lua")));
+static POSITION: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/position.lua")));
 static RATE_LIMIT: LazyLock<Script> = LazyLock::new(|| script(include_str!("queue/rate_limit.lua")));
 
 /// Most jobs passed to one script call; larger sets are sent in chunks so no script holds Redis
@@ -53,6 +59,34 @@ pub struct Enqueue {
     pub priority: Priority,
     pub cost: i32,
     pub run_at: Option<DateTime<Utc>>,
+    /// Whose share of the workers it runs in.
+    pub tenant: String,
+}
+
+impl From<&crate::Job> for Enqueue {
+    fn from(job: &crate::Job) -> Self {
+        Enqueue {
+            id: job.id,
+            kind: job.kind,
+            priority: job.priority,
+            cost: job.cost,
+            run_at: job.run_at,
+            tenant: job.tenant.clone(),
+        }
+    }
+}
+
+impl From<&crate::store::ActiveJob> for Enqueue {
+    fn from(job: &crate::store::ActiveJob) -> Self {
+        Enqueue {
+            id: job.id,
+            kind: job.kind,
+            priority: job.priority,
+            cost: job.cost,
+            run_at: job.run_at,
+            tenant: job.tenant.clone(),
+        }
+    }
 }
 
 /// A job leased to a worker.
@@ -157,8 +191,13 @@ impl Queue {
         Ok(self.pool.get().await?)
     }
 
+    /// The base every key of `kind` hangs off: `{prefix}:{kind}` with the kind as hash tag.
+    fn base(&self, kind: JobKind) -> String {
+        format!("{}:{{{}}}", self.prefix, kind.as_str())
+    }
+
     fn key(&self, kind: JobKind, name: &str) -> String {
-        format!("{}:{{{}}}:{}", self.prefix, kind.as_str(), name)
+        format!("{}:{name}", self.base(kind))
     }
 
     fn lease_ms(&self) -> u64 {
@@ -182,16 +221,12 @@ impl Queue {
             let of_kind: Vec<&Enqueue> = jobs.iter().filter(|j| j.kind == *kind).collect();
             for chunk in of_kind.chunks(CHUNK) {
                 let mut inv = ENQUEUE.prepare_invoke();
-                inv.key(self.key(*kind, "ready"))
-                    .key(self.key(*kind, "delayed"))
-                    .key(self.key(*kind, "leases"))
-                    .key(self.key(*kind, "meta"))
-                    .key(self.key(*kind, "seq"))
-                    .arg(self.aging_ms());
+                inv.key(self.base(*kind)).arg(self.aging_ms());
                 for j in chunk {
                     inv.arg(j.id.to_string())
                         .arg(j.priority.rank())
                         .arg(j.cost)
+                        .arg(&j.tenant)
                         .arg(j.run_at.map_or(0, |t| t.timestamp_millis()));
                 }
                 let added: i64 = inv.invoke_async(&mut *c).await?;
@@ -208,13 +243,7 @@ impl Queue {
     pub async fn pull(&self, kind: JobKind, max_jobs: usize, budget: i64) -> Result<Vec<Lease>> {
         let mut c = self.conn().await?;
         let flat: Vec<String> = PULL
-            .key(self.key(kind, "ready"))
-            .key(self.key(kind, "delayed"))
-            .key(self.key(kind, "leases"))
-            .key(self.key(kind, "meta"))
-            .key(self.key(kind, "seq"))
-            .key(self.key(kind, "tokens"))
-            .key(self.key(kind, "paused"))
+            .key(self.base(kind))
             .arg(max_jobs)
             .arg(budget)
             .arg(self.lease_ms())
@@ -238,11 +267,7 @@ impl Queue {
         let mut out = Vec::with_capacity(leases.len());
         for chunk in leases.chunks(CHUNK) {
             let mut inv = HEARTBEAT.prepare_invoke();
-            inv.key(self.key(kind, "leases"))
-                .key(self.key(kind, "tokens"))
-                .key(self.key(kind, "canceled"))
-                .key(self.key(kind, "restored"))
-                .arg(self.lease_ms());
+            inv.key(self.base(kind)).arg(self.lease_ms());
             for (id, token) in chunk {
                 inv.arg(id.to_string()).arg(*token);
             }
@@ -264,12 +289,7 @@ impl Queue {
         let due_now = items.iter().any(|(_, _, a)| matches!(a, SettleAction::At(t) if *t <= now));
         for chunk in items.chunks(CHUNK) {
             let mut inv = SETTLE.prepare_invoke();
-            inv.key(self.key(kind, "leases"))
-                .key(self.key(kind, "delayed"))
-                .key(self.key(kind, "meta"))
-                .key(self.key(kind, "tokens"))
-                .key(self.key(kind, "canceled"))
-                .key(self.key(kind, "progress"));
+            inv.key(self.base(kind));
             for (id, token, action) in chunk {
                 let action = match action {
                     SettleAction::Done => "done".to_string(),
@@ -324,12 +344,7 @@ impl Queue {
     pub async fn cancel(&self, kind: JobKind, id: Uuid, running: bool) -> Result<()> {
         let mut c = self.conn().await?;
         let _: i64 = CANCEL
-            .key(self.key(kind, "ready"))
-            .key(self.key(kind, "delayed"))
-            .key(self.key(kind, "meta"))
-            .key(self.key(kind, "canceled"))
-            .key(self.key(kind, "leases"))
-            .key(self.key(kind, "tokens"))
+            .key(self.base(kind))
             .arg(id.to_string())
             .arg(if running { "running" } else { "waiting" })
             .invoke_async(&mut *c)
@@ -341,8 +356,7 @@ impl Queue {
     pub async fn reap(&self, kind: JobKind, max: usize) -> Result<Vec<(Uuid, Option<i64>)>> {
         let mut c = self.conn().await?;
         let flat: Vec<String> = REAP
-            .key(self.key(kind, "leases"))
-            .key(self.key(kind, "tokens"))
+            .key(self.base(kind))
             .arg(max)
             .invoke_async(&mut *c)
             .await?;
@@ -356,18 +370,12 @@ impl Queue {
         let mut restored = 0;
         for chunk in jobs.chunks(CHUNK) {
             let mut inv = RESTORE.prepare_invoke();
-            inv.key(self.key(kind, "ready"))
-                .key(self.key(kind, "delayed"))
-                .key(self.key(kind, "leases"))
-                .key(self.key(kind, "meta"))
-                .key(self.key(kind, "seq"))
-                .key(self.key(kind, "tokens"))
-                .arg(self.aging_ms())
-                .arg(self.lease_ms());
+            inv.key(self.base(kind)).arg(self.aging_ms()).arg(self.lease_ms());
             for (j, token) in chunk {
                 inv.arg(j.id.to_string())
                     .arg(j.priority.rank())
                     .arg(j.cost)
+                    .arg(&j.tenant)
                     .arg(j.run_at.map_or(0, |t| t.timestamp_millis()))
                     .arg(token.map(|t| t.to_string()).unwrap_or_default());
             }
@@ -420,12 +428,12 @@ impl Queue {
     /// Jobs of `kind` waiting: ready plus delayed.
     pub async fn depth(&self, kind: JobKind) -> Result<u64> {
         let mut c = self.conn().await?;
-        let (ready, delayed): (u64, u64) = redis::pipe()
-            .zcard(self.key(kind, "ready"))
-            .zcard(self.key(kind, "delayed"))
-            .query_async(&mut *c)
-            .await?;
-        Ok(ready + delayed)
+        let mut pipe = redis::pipe();
+        for rank in Priority::ALL.iter().map(|p| p.rank()) {
+            pipe.zcard(self.key(kind, &format!("ready:{rank}")));
+        }
+        let counts: Vec<u64> = pipe.zcard(self.key(kind, "delayed")).query_async(&mut *c).await?;
+        Ok(counts.iter().sum())
     }
 
     /// Stops workers pulling `kind` (its jobs still queue up) until [`Queue::resume`].
@@ -448,10 +456,13 @@ impl Queue {
         Ok(c.exists(self.key(kind, "paused")).await?)
     }
 
-    /// How many ready jobs of its kind run before this one (0 = next), if it is ready.
+    /// About how many ready jobs of its kind run before this one (0 = next), if it is ready:
+    /// its tenant's jobs ahead of it, and the other tenants' that their weights let run
+    /// meanwhile (`queue/position.lua`).
     pub async fn position(&self, kind: JobKind, id: Uuid) -> Result<Option<u64>> {
         let mut c = self.conn().await?;
-        Ok(c.zrank(self.key(kind, "ready"), id.to_string()).await?)
+        let n: i64 = POSITION.key(self.base(kind)).arg(id.to_string()).invoke_async(&mut *c).await?;
+        Ok(u64::try_from(n).ok())
     }
 
     /// Takes a short-lived lock (`SET NX PX`); true if this caller holds it now. Lets one of
@@ -476,6 +487,27 @@ impl Queue {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Sets every kind's copy of the tenants' shares (weights and caps) to `shares`, replacing
+    /// what was there; tenants not named get weight 1 and no cap.
+    pub async fn set_shares(&self, shares: &[crate::tenants::TenantShare]) -> Result<()> {
+        let mut c = self.conn().await?;
+        for kind in JobKind::ALL {
+            let (weights, caps) = (self.key(*kind, "weights"), self.key(*kind, "caps"));
+            let mut pipe = redis::pipe();
+            pipe.atomic().del(&weights).ignore().del(&caps).ignore();
+            for s in shares {
+                if s.weight != crate::tenants::WEIGHT_DEFAULT {
+                    pipe.hset(&weights, &s.tenant, s.weight).ignore();
+                }
+                if let Some(cap) = s.max_running {
+                    pipe.hset(&caps, &s.tenant, cap).ignore();
+                }
+            }
+            let () = pipe.query_async(&mut *c).await?;
+        }
+        Ok(())
     }
 
     /// The marker the reconciler sets after restoring Redis from Postgres; its absence means

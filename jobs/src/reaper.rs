@@ -90,18 +90,7 @@ impl Reaper {
                 .waiting_among(&unsettled)
                 .await?
                 .into_iter()
-                .map(|job| {
-                    (
-                        Enqueue {
-                            id: job.id,
-                            kind: job.kind,
-                            priority: job.priority,
-                            cost: job.cost,
-                            run_at: job.run_at,
-                        },
-                        None,
-                    )
-                })
+                .map(|job| (Enqueue::from(&job), None))
                 .collect();
             if !waiting.is_empty() {
                 restored = self.queue.restore(kind, &waiting).await?;

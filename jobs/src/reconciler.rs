@@ -12,8 +12,9 @@
 //! is missing, every unfinished job is checked at once and the marker is set afterwards.
 //! With several API replicas, a Redis lock lets one of them sweep per round.
 //!
-//! Each round also sets the Redis pause flags to the paused kinds Postgres records, and the
-//! cancel flags to the running jobs whose cancel Postgres records.
+//! Each round also sets the Redis pause flags to the paused kinds Postgres records, the cancel
+//! flags to the running jobs whose cancel Postgres records, and the tenants' weights and caps
+//! to the `tenants` table.
 
 use crate::queue::Enqueue;
 use crate::{JobKind, JobState, Queue, Result, Store};
@@ -44,6 +45,7 @@ impl Reconciler {
             tracing::info!(%kind, paused, "pause flag restored from Postgres");
         }
         self.restore_cancel_flags().await?;
+        self.store.restore_tenant_shares(&self.queue).await?;
         let epoch = self.queue.epoch().await?;
         let settled_before =
             epoch.as_ref().map(|_| Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default());
@@ -57,7 +59,7 @@ impl Reconciler {
             for job in &page {
                 let token = if job.state == JobState::Running { job.lease_token } else { None };
                 by_kind.entry(job.kind).or_default().push((
-                    Enqueue { id: job.id, kind: job.kind, priority: job.priority, cost: job.cost, run_at: job.run_at },
+                    Enqueue::from(job),
                     token,
                 ));
             }

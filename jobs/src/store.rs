@@ -87,7 +87,11 @@ pub struct ActiveJob {
     pub cost: i32,
     pub run_at: Option<DateTime<Utc>>,
     pub lease_token: Option<i64>,
+    pub tenant: String,
 }
+
+/// What the reconciler and reaper read of a job: [`ActiveJob`]'s fields.
+const ACTIVE_COLUMNS: &str = "id, kind, priority, state, cost, run_at, lease_token, tenant";
 
 impl Store {
     /// Connects with at most `max_connections` pooled connections.
@@ -495,10 +499,9 @@ impl Store {
 
     /// Those of `ids` that Postgres holds as waiting (queued, scheduled or retrying).
     pub async fn waiting_among(&self, ids: &[Uuid]) -> Result<Vec<ActiveJob>> {
-        let rows = sqlx::query(
-            "SELECT id, kind, priority, state, cost, run_at, lease_token FROM jobs
-             WHERE id = ANY($1) AND state IN ('queued', 'scheduled', 'retrying')",
-        )
+        let rows = sqlx::query(&format!(
+            "SELECT {ACTIVE_COLUMNS} FROM jobs WHERE id = ANY($1) AND state IN ('queued', 'scheduled', 'retrying')"
+        ))
         .bind(ids)
         .fetch_all(&self.pool)
         .await?;
@@ -514,13 +517,13 @@ impl Store {
         settled_before: Option<DateTime<Utc>>,
         limit: i64,
     ) -> Result<Vec<ActiveJob>> {
-        let rows = sqlx::query(
-            "SELECT id, kind, priority, state, cost, run_at, lease_token FROM jobs
+        let rows = sqlx::query(&format!(
+            "SELECT {ACTIVE_COLUMNS} FROM jobs
              WHERE state IN ('queued', 'scheduled', 'running', 'retrying')
                AND ($1::uuid IS NULL OR id > $1)
                AND ($2::timestamptz IS NULL OR state_changed_at < $2)
-             ORDER BY id LIMIT $3",
-        )
+             ORDER BY id LIMIT $3"
+        ))
         .bind(after)
         .bind(settled_before)
         .bind(limit)
@@ -539,6 +542,7 @@ fn active_job(r: &sqlx::postgres::PgRow) -> Result<ActiveJob> {
         cost: r.try_get("cost")?,
         run_at: r.try_get("run_at")?,
         lease_token: r.try_get("lease_token")?,
+        tenant: r.try_get("tenant")?,
     })
 }
 

@@ -451,10 +451,16 @@ impl Cluster {
         Ok(client.get_multiplexed_async_connection().await?)
     }
 
-    /// Members of one of a kind's queue sets (`ready`, `delayed`, `leases`).
+    /// Members of one of a kind's queue sets (`ready`: of every priority; `delayed`, `leases`).
     pub async fn queue_len(&self, kind: &str, set: &str) -> Result<u64> {
         let mut r = self.redis().await?;
-        Ok(redis::cmd("ZCARD").arg(format!("{}:{{{kind}}}:{set}", self.redis_prefix)).query_async(&mut r).await?)
+        let sets = if set == "ready" { (0..4).map(|rank| format!("ready:{rank}")).collect() } else { vec![set.to_string()] };
+        let mut total = 0;
+        for set in sets {
+            let n: u64 = redis::cmd("ZCARD").arg(format!("{}:{{{kind}}}:{set}", self.redis_prefix)).query_async(&mut r).await?;
+            total += n;
+        }
+        Ok(total)
     }
 }
 

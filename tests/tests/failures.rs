@@ -216,7 +216,14 @@ async fn lose_data(prefix: &str) {
 }
 
 fn echo_job() -> tern_jobs::queue::Enqueue {
-    tern_jobs::queue::Enqueue { id: Uuid::now_v7(), kind: tern_jobs::JobKind::Echo, priority: Default::default(), cost: 1, run_at: None }
+    tern_jobs::queue::Enqueue {
+        id: Uuid::now_v7(),
+        kind: tern_jobs::JobKind::Echo,
+        priority: Default::default(),
+        cost: 1,
+        run_at: None,
+        tenant: "default".into(),
+    }
 }
 
 /// Issue 20, item 2: a heartbeat from a worker whose lease was reaped does not bring the lease

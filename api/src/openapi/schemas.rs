@@ -506,6 +506,45 @@ pub struct KeyList {
     pub keys: Vec<ApiKey>,
 }
 
+/// `PUT /v1/admin/tenants/{tenant}`.
+#[derive(Serialize, ToSchema)]
+pub struct TenantShareRequest {
+    /// Its share relative to other tenants' within a priority, on job cost. Default 1.
+    #[schema(minimum = 1, maximum = 1000)]
+    pub weight: Option<i64>,
+    /// Most jobs of one kind it may have running at once. Default (and null): no cap.
+    #[schema(minimum = 1, maximum = 1000000)]
+    pub max_running: Option<i64>,
+}
+
+/// A tenant's share of the workers.
+#[derive(Serialize, ToSchema)]
+pub struct TenantShare {
+    pub tenant: String,
+    #[schema(minimum = 1, maximum = 1000)]
+    pub weight: i64,
+    /// Null: no cap.
+    pub max_running: Option<i64>,
+}
+
+/// A tenant as `GET /v1/admin/tenants` lists it.
+#[derive(Serialize, ToSchema)]
+pub struct Tenant {
+    pub tenant: String,
+    pub weight: i64,
+    pub max_running: Option<i64>,
+    /// When an admin last set its share; null: never (defaults).
+    pub updated_at: Option<DateTime<Utc>>,
+    /// Its jobs queued, scheduled or retrying, as Postgres counts them.
+    pub waiting: i64,
+    pub running: i64,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct TenantList {
+    pub tenants: Vec<Tenant>,
+}
+
 #[derive(Serialize, ToSchema)]
 pub struct RevokedKey {
     /// The id or prefix given.

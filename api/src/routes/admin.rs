@@ -28,11 +28,17 @@ pub struct NewKey {
     name: Option<String>,
 }
 
-/// Checks a tenant name and scopes; the message says what is allowed.
-pub fn check_key_request(tenant: &str, scopes: &[String]) -> Result<(), String> {
+/// Checks a tenant name; the message says what is allowed.
+pub fn check_tenant(tenant: &str) -> Result<(), String> {
     if tenant.is_empty() || tenant.len() > 64 || !tenant.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
         return Err("a tenant is 1 to 64 characters of letters, digits, '-', '_' and '.'".into());
     }
+    Ok(())
+}
+
+/// Checks a tenant name and scopes; the message says what is allowed.
+pub fn check_key_request(tenant: &str, scopes: &[String]) -> Result<(), String> {
+    check_tenant(tenant)?;
     if scopes.is_empty() {
         return Err(format!("give at least one scope of {}", SCOPES.join(", ")));
     }
@@ -280,7 +286,7 @@ pub async fn retry(State(state): State<AppState>, caller: Caller, ApiJson(req): 
     let jobs = state.store.retry_failed(&req.ids, kind).await?;
     let enqueue: Vec<Enqueue> = jobs
         .iter()
-        .map(|j| Enqueue { id: j.id, kind: j.kind, priority: j.priority, cost: j.cost, run_at: None })
+        .map(|j| Enqueue { run_at: None, ..Enqueue::from(j) })
         .collect();
     state.queue.enqueue(&enqueue).await?;
     tracing::info!(retried = jobs.len(), "failed jobs retried");

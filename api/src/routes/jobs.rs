@@ -117,7 +117,7 @@ pub(crate) async fn insert_and_enqueue(state: &AppState, jobs: &[NewJob]) -> Res
     }
     let entries: Vec<Enqueue> = inserted
         .iter()
-        .map(|j| Enqueue { id: j.id, kind: j.kind, priority: j.priority, cost: j.cost, run_at: j.run_at })
+        .map(Enqueue::from)
         .collect();
     if let Err(e) = state.queue.enqueue(&entries).await {
         tracing::error!(error = %e, jobs = entries.len(), "enqueue failed after commit; the reconciler will enqueue them");

@@ -13,6 +13,7 @@ pub mod job_stream;
 pub mod jobs;
 pub mod metrics;
 pub mod models;
+pub mod tenants;
 pub mod uploads;
 
 use crate::error::ApiError;
@@ -61,6 +62,8 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(admin::history))
         .routes(routes!(admin::drain))
         .routes(routes!(admin::undrain))
+        .routes(routes!(tenants::list))
+        .routes(routes!(tenants::set, tenants::reset))
         .routes(routes!(models::register, models::list))
         .routes(routes!(models::rollback))
 }

@@ -1,16 +1,20 @@
 -- Reflect a cancel that Postgres recorded.
--- KEYS[1] ready zset   KEYS[2] delayed zset   KEYS[3] meta hash   KEYS[4] canceled set
--- KEYS[5] leases zset  KEYS[6] lease tokens hash
+-- KEYS[1] the kind's key base
 -- ARGV[1] job id   ARGV[2] 'waiting' (it is canceled: remove it, with any lease a worker took
 -- but never started under, since Postgres will refuse that start) or 'running' (flag it for its
 -- worker, which sees the flag on its next heartbeat)
+local id = ARGV[1]
 if ARGV[2] == 'waiting' then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('ZREM', KEYS[5], ARGV[1])
-  redis.call('HDEL', KEYS[6], ARGV[1])
+  local meta = redis.call('HGET', key('meta'), id)
+  local tenant = 'default'
+  if meta then
+    tenant = meta_tenant(meta)
+    ready_remove(id, meta_rank(meta), tenant)
+  end
+  redis.call('ZREM', key('delayed'), id)
+  redis.call('HDEL', key('meta'), id)
+  lease_remove(id, tenant)
 else
-  redis.call('SADD', KEYS[4], ARGV[1])
+  redis.call('SADD', key('canceled'), id)
 end
 return 1

@@ -18,13 +18,19 @@ local function ready_score(now, rank, step, seq)
   return ((now - EPOCH_MS) + rank * step) * 4096 + (seq % 4096)
 end
 
--- Job metadata is kept as "rank:cost".
+-- Job metadata is kept as "rank:cost:tenant" (tenant names hold no ':' but any other
+-- character would do, as the tenant is all that follows the second colon). Metadata written
+-- before tenants shared the queue is "rank:cost": its tenant reads as 'default'.
 local function meta_rank(meta)
   return tonumber(string.match(meta, '^(%d+):'))
 end
 
 local function meta_cost(meta)
-  return tonumber(string.match(meta, ':(%d+)$'))
+  return tonumber(string.match(meta, '^%d+:(%d+)'))
+end
+
+local function meta_tenant(meta)
+  return string.match(meta, '^%d+:%d+:(.*)$') or 'default'
 end
 
 -- The next value of a kind's sequence, which numbers ready jobs (FIFO) and issues fencing
@@ -38,15 +44,4 @@ local function next_seq(seq)
     redis.call('SET', seq, tonumber(t[1]) * 1000000 + tonumber(t[2]))
   end
   return redis.call('INCR', seq)
-end
-
--- Puts a waiting job in its delayed set (run_at still ahead) or its ready set, and records its
--- metadata. Used by enqueue and restore.
-local function admit(ready, delayed, meta, seq, id, rank, cost, run_at, now, step)
-  redis.call('HSET', meta, id, rank .. ':' .. cost)
-  if run_at > now then
-    redis.call('ZADD', delayed, run_at, id)
-  else
-    redis.call('ZADD', ready, ready_score(now, rank, step, next_seq(seq)), id)
-  end
 end

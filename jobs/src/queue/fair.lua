@@ -1,0 +1,116 @@
+-- Shared fragment, prepended after clock.lua to every queue script: where a kind's jobs wait
+-- and how tenants share the kind's workers.
+--
+-- KEYS[1] of a queue script is the kind's key base (`{prefix}:{kind}`, the kind in braces as a
+-- hash tag); every key hangs off it, so one script touches one cluster slot.
+--
+-- Ready jobs wait in a sorted set per priority rank, `ready:<rank>`, scored by ready_score, and
+-- again in one per rank and tenant, `tq:<rank>:<tenant>`, with the same score. The heads of the
+-- rank sets say which rank is served next: priority with aging, exactly as with one set.
+-- Within that rank tenants take turns by virtual time: `vt:<rank>` holds each tenant with jobs
+-- ready there and the cost it has been served divided by its weight (`weights`, default 1); the
+-- tenant with the least goes next. That is deficit round robin with an infinitely small
+-- quantum: work done follows the weights whatever the jobs' costs (1 window or 4,000 tokens),
+-- and a choice costs O(log tenants). A tenant that arrives starts at the rank's clock (`vclock`,
+-- the virtual time last served), so idleness earns no credit; one that leaves while ahead of
+-- the clock keeps its lead (`vsaved:<rank>`), so leaving and coming back cannot jump the line.
+-- A tenant whose leased jobs (`running`) reach its cap (`caps`) is passed over until one ends.
+
+local BASE = KEYS[1]
+local LOWEST_RANK = 3 -- ranks run 0 (urgent) .. 3 (low)
+
+local function key(name)
+  return BASE .. ':' .. name
+end
+
+local function rank_key(rank)
+  return BASE .. ':ready:' .. rank
+end
+
+local function tenant_key(rank, tenant)
+  return BASE .. ':tq:' .. rank .. ':' .. tenant
+end
+
+local function turns_key(rank)
+  return BASE .. ':vt:' .. rank
+end
+
+local function rank_clock(rank)
+  return tonumber(redis.call('HGET', key('vclock'), rank) or '0')
+end
+
+-- A tenant with nothing ready in `rank` any more leaves its turns, keeping a lead over the
+-- clock (virtual time `v`) for when it returns.
+local function leave_turns(rank, tenant, v)
+  redis.call('ZREM', turns_key(rank), tenant)
+  if v > rank_clock(rank) then
+    redis.call('HSET', BASE .. ':vsaved:' .. rank, tenant, v)
+  end
+end
+
+-- Puts a job in its ready sets; its tenant joins the rank's turns if it was not in them.
+local function ready_add(id, rank, tenant, score)
+  redis.call('ZADD', rank_key(rank), score, id)
+  redis.call('ZADD', tenant_key(rank, tenant), score, id)
+  local turns = turns_key(rank)
+  if not redis.call('ZSCORE', turns, tenant) then
+    local saved = BASE .. ':vsaved:' .. rank
+    local lead = tonumber(redis.call('HGET', saved, tenant) or '0')
+    redis.call('HDEL', saved, tenant)
+    redis.call('ZADD', turns, math.max(rank_clock(rank), lead), tenant)
+  end
+end
+
+-- Takes a job out of its ready sets; true if it was ready.
+local function ready_remove(id, rank, tenant)
+  if redis.call('ZREM', rank_key(rank), id) == 0 then
+    return false
+  end
+  local tq = tenant_key(rank, tenant)
+  redis.call('ZREM', tq, id)
+  if redis.call('EXISTS', tq) == 0 then
+    local v = redis.call('ZSCORE', turns_key(rank), tenant)
+    if v then
+      leave_turns(rank, tenant, tonumber(v))
+    end
+  end
+  return true
+end
+
+local function is_ready(id)
+  for rank = 0, LOWEST_RANK do
+    if redis.call('ZSCORE', rank_key(rank), id) then
+      return true
+    end
+  end
+  return false
+end
+
+-- Leases a job under `token` until `deadline`, counting it against its tenant's cap.
+local function lease_add(id, token, deadline, tenant)
+  redis.call('HSET', key('tokens'), id, token)
+  if redis.call('ZADD', key('leases'), deadline, id) == 1 then
+    redis.call('HINCRBY', key('running'), tenant, 1)
+  end
+end
+
+-- Drops a job's lease, if it has one.
+local function lease_remove(id, tenant)
+  redis.call('HDEL', key('tokens'), id)
+  if redis.call('ZREM', key('leases'), id) == 1 then
+    if redis.call('HINCRBY', key('running'), tenant, -1) <= 0 then
+      redis.call('HDEL', key('running'), tenant)
+    end
+  end
+end
+
+-- Puts a waiting job in its delayed set (run_at still ahead) or its ready sets, and records its
+-- metadata. Used by enqueue and restore.
+local function admit(id, rank, cost, tenant, run_at, now, step)
+  redis.call('HSET', key('meta'), id, rank .. ':' .. cost .. ':' .. tenant)
+  if run_at > now then
+    redis.call('ZADD', key('delayed'), run_at, id)
+  else
+    ready_add(id, rank, tenant, ready_score(now, rank, step, next_seq(key('seq'))))
+  end
+end
