@@ -40,10 +40,11 @@ local function rank_clock(rank)
 end
 
 -- A tenant with nothing ready in `rank` any more leaves its turns, keeping a lead over the
--- clock (virtual time `v`) for when it returns.
-local function leave_turns(rank, tenant, v)
+-- clock (virtual time `v`) for when it returns. `clock`: the rank's clock if the caller holds
+-- it (nil: read it).
+local function leave_turns(rank, tenant, v, clock)
   redis.call('ZREM', turns_key(rank), tenant)
-  if v > rank_clock(rank) then
+  if v > (clock or rank_clock(rank)) then
     redis.call('HSET', BASE .. ':vsaved:' .. rank, tenant, v)
   end
 end
@@ -61,8 +62,8 @@ local function ready_add(id, rank, tenant, score)
   end
 end
 
--- Takes a job out of its ready sets; true if it was ready.
-local function ready_remove(id, rank, tenant)
+-- Takes a job out of its ready sets; true if it was ready. `clock` as for leave_turns.
+local function ready_remove(id, rank, tenant, clock)
   if redis.call('ZREM', rank_key(rank), id) == 0 then
     return false
   end
@@ -71,27 +72,28 @@ local function ready_remove(id, rank, tenant)
   if redis.call('EXISTS', tq) == 0 then
     local v = redis.call('ZSCORE', turns_key(rank), tenant)
     if v then
-      leave_turns(rank, tenant, tonumber(v))
+      leave_turns(rank, tenant, tonumber(v), clock)
     end
   end
   return true
 end
 
+-- Whether a job is ready. Every ready job has metadata (admit writes it first, and it goes
+-- only once the job is done or canceled), which names the one rank set to look in.
 local function is_ready(id)
-  for rank = 0, LOWEST_RANK do
-    if redis.call('ZSCORE', rank_key(rank), id) then
-      return true
-    end
-  end
-  return false
+  local meta = redis.call('HGET', key('meta'), id)
+  return meta ~= false and redis.call('ZSCORE', rank_key(meta_rank(meta)), id) ~= false
 end
 
--- Leases a job under `token` until `deadline`, counting it against its tenant's cap.
-local function lease_add(id, token, deadline, tenant)
+-- Leases a job under `token` until `deadline`; true if it held no lease. The caller counts
+-- a new lease against its tenant's cap (count_leases).
+local function lease_add(id, token, deadline)
   redis.call('HSET', key('tokens'), id, token)
-  if redis.call('ZADD', key('leases'), deadline, id) == 1 then
-    redis.call('HINCRBY', key('running'), tenant, 1)
-  end
+  return redis.call('ZADD', key('leases'), deadline, id) == 1
+end
+
+local function count_leases(tenant, n)
+  redis.call('HINCRBY', key('running'), tenant, n)
 end
 
 -- Drops a job's lease, if it has one.

@@ -23,8 +23,8 @@ for _, id in ipairs(due) do
   end
 end
 
--- Weights and caps, read once per tenant per pull.
-local weights, caps = {}, {}
+-- Weights, caps and running counts, read once per tenant per pull and kept here meanwhile.
+local weights, caps, running = {}, {}, {}
 local function weight(tenant)
   if weights[tenant] == nil then
     local w = tonumber(redis.call('HGET', key('weights'), tenant) or '1') or 1
@@ -36,69 +36,165 @@ local function at_cap(tenant)
   if caps[tenant] == nil then
     caps[tenant] = tonumber(redis.call('HGET', key('caps'), tenant) or '') or false
   end
-  return caps[tenant] and tonumber(redis.call('HGET', key('running'), tenant) or '0') >= caps[tenant]
+  if not caps[tenant] then
+    return false
+  end
+  if running[tenant] == nil then
+    running[tenant] = tonumber(redis.call('HGET', key('running'), tenant) or '0')
+  end
+  return running[tenant] >= caps[tenant]
 end
 
--- The tenant whose turn it is in `rank`: the least virtual time among those under their cap.
-local function next_tenant(rank)
-  local i = 0
+-- The tenant whose turn it is in `rank`: the least virtual time among those under their cap,
+-- from position `from` of the rank's turns on. Returns it, its time and its position.
+local function next_tenant(rank, from)
+  local i = from
   while true do
     local t = redis.call('ZRANGE', turns_key(rank), i, i, 'WITHSCORES')
     if #t == 0 then
       return nil
     end
     if not at_cap(t[1]) then
-      return t[1], tonumber(t[2])
+      return t[1], tonumber(t[2]), i
     end
     i = i + 1
   end
 end
 
+-- Most jobs taken from one tenant in one run (each a few commands fewer than one at a time).
+local RUN_MAX = 512
+
+-- Each rank's head score (false: empty), re-read only for the rank a job was taken from.
+local heads, clocks = {}, {}
+local function read_head(rank)
+  local head = redis.call('ZRANGE', rank_key(rank), 0, 0, 'WITHSCORES')
+  heads[rank] = #head > 0 and tonumber(head[2])
+end
+for r = 0, LOWEST_RANK do
+  read_head(r)
+  clocks[r] = rank_clock(r)
+end
+
+-- The sequence is checked once (next_seq restarts a lost one), then only incremented.
+local seq_checked = false
+local function next_token()
+  if seq_checked then
+    return redis.call('INCR', key('seq'))
+  end
+  seq_checked = true
+  return next_seq(key('seq'))
+end
+
+local leased = {} -- tenant -> leases taken by this pull, counted once at the end
 local out = {}
 local spent, taken = 0, 0
 local capped = {} -- ranks whose every tenant with jobs ready is at its cap
+local full = false -- the budget is spent
 while taken < max_jobs do
   local rank, best
   for r = 0, LOWEST_RANK do
-    if not capped[r] then
-      local head = redis.call('ZRANGE', rank_key(r), 0, 0, 'WITHSCORES')
-      if #head > 0 and (best == nil or tonumber(head[2]) < best) then
-        rank, best = r, tonumber(head[2])
-      end
+    if not capped[r] and heads[r] and (best == nil or heads[r] < best) then
+      rank, best = r, heads[r]
     end
   end
   if rank == nil then
     break
   end
-  local tenant, v = next_tenant(rank)
+  local tenant, v, at = next_tenant(rank, 0)
   if tenant == nil then
     capped[rank] = true
   else
-    local id = redis.call('ZRANGE', tenant_key(rank, tenant), 0, 0)[1]
-    if id == nil then
+    -- A run: this tenant's jobs, in order, while its virtual time stays below the next
+    -- tenant's and its next job comes before every other rank's head (the first job is taken
+    -- whatever: the rank and the tenant were chosen for it).
+    local _, v_next = next_tenant(rank, at + 1)
+    local other
+    for r = 0, LOWEST_RANK do
+      if r ~= rank and not capped[r] and heads[r] and (other == nil or heads[r] < other) then
+        other = heads[r]
+      end
+    end
+    local room = math.min(max_jobs - taken, RUN_MAX)
+    if v_next then
+      -- Each job (of cost 1 at least) adds 1 / weight or more to its time: no more can fit.
+      room = math.min(room, math.floor((v_next - v) * weight(tenant)) + 1)
+    end
+    if caps[tenant] then
+      room = math.min(room, caps[tenant] - running[tenant])
+    end
+    local tq = tenant_key(rank, tenant)
+    local found = redis.call('ZRANGE', tq, 0, room - 1, 'WITHSCORES')
+    if #found == 0 then
       -- Not reached: a tenant leaves the turns with its last ready job. Mended if it were.
       leave_turns(rank, tenant, v)
     else
-      local meta = redis.call('HGET', key('meta'), id)
-      local cost = 1
-      if meta then
-        cost = meta_cost(meta)
+      local ids = {}
+      for j = 1, #found, 2 do
+        ids[#ids + 1] = found[j]
       end
-      if taken > 0 and spent + cost > budget then
-        break
+      local metas = redis.call('HMGET', key('meta'), unpack(ids))
+      local w = weight(tenant)
+      local run, costs = {}, {}
+      for j, id in ipairs(ids) do
+        if #run > 0 and ((v_next and v >= v_next) or (other and tonumber(found[2 * j]) > other)) then
+          break
+        end
+        local cost = 1
+        if metas[j] then
+          cost = meta_cost(metas[j])
+        end
+        if taken > 0 and spent + cost > budget then
+          full = true
+          break
+        end
+        spent, taken = spent + cost, taken + 1
+        clocks[rank] = math.max(clocks[rank], v)
+        v = v + cost / w
+        run[#run + 1] = id
+        costs[#run] = cost
       end
-      spent, taken = spent + cost, taken + 1
-      if v > rank_clock(rank) then
-        redis.call('HSET', key('vclock'), rank, v)
+      if #run > 0 then
+        redis.call('ZADD', turns_key(rank), v, tenant)
+        redis.call('ZREM', rank_key(rank), unpack(run))
+        redis.call('ZREM', tq, unpack(run))
+        if redis.call('EXISTS', tq) == 0 then
+          leave_turns(rank, tenant, v, clocks[rank])
+        end
+        read_head(rank)
+        local first = next_token()
+        if #run > 1 then
+          redis.call('INCRBY', key('seq'), #run - 1)
+        end
+        local tokens, deadlines = {}, {}
+        for j, id in ipairs(run) do
+          local token = first + j - 1
+          tokens[#tokens + 1] = id
+          tokens[#tokens + 1] = token
+          deadlines[#deadlines + 1] = now + lease_ms
+          deadlines[#deadlines + 1] = id
+          out[#out + 1] = id
+          out[#out + 1] = token
+          out[#out + 1] = costs[j]
+        end
+        redis.call('HSET', key('tokens'), unpack(tokens))
+        local added = redis.call('ZADD', key('leases'), unpack(deadlines))
+        leased[tenant] = (leased[tenant] or 0) + added
+        if running[tenant] then
+          running[tenant] = running[tenant] + added
+        end
       end
-      redis.call('ZADD', turns_key(rank), v + cost / weight(tenant), tenant)
-      ready_remove(id, rank, tenant)
-      local token = next_seq(key('seq'))
-      lease_add(id, token, now + lease_ms, tenant)
-      out[#out + 1] = id
-      out[#out + 1] = token
-      out[#out + 1] = cost
     end
   end
+  if full then
+    break
+  end
+end
+for r = 0, LOWEST_RANK do
+  if clocks[r] > rank_clock(r) then
+    redis.call('HSET', key('vclock'), r, clocks[r])
+  end
+end
+for tenant, n in pairs(leased) do
+  count_leases(tenant, n)
 end
 return out

@@ -17,7 +17,9 @@ for i = 3, #ARGV, 6 do
   if token ~= '' then
     if not leased then
       redis.call('HSET', key('meta'), id, rank .. ':' .. cost .. ':' .. tenant)
-      lease_add(id, token, now + lease_ms, tenant)
+      if lease_add(id, token, now + lease_ms) then
+        count_leases(tenant, 1)
+      end
       restored = restored + 1
     end
   elseif not leased and not is_ready(id) and not redis.call('ZSCORE', key('delayed'), id) then
