@@ -38,10 +38,13 @@ end
 -- microseconds, above every token issued before the loss unless those averaged over one a
 -- microsecond, so a stale worker never holds a token that is issued again (Postgres fences
 -- outcomes by it). Microseconds since 1970 stay exact in Lua's doubles until the year 2255.
+-- A script uses one kind's counter, so it is checked once per script call.
+local seq_checked = false
 local function next_seq(seq)
-  if redis.call('EXISTS', seq) == 0 then
+  if not seq_checked and redis.call('EXISTS', seq) == 0 then
     local t = redis.call('TIME')
     redis.call('SET', seq, tonumber(t[1]) * 1000000 + tonumber(t[2]))
   end
+  seq_checked = true
   return redis.call('INCR', seq)
 end

@@ -42,7 +42,10 @@ end
 -- A tenant with nothing ready in `rank` any more leaves its turns, keeping a lead over the
 -- clock (virtual time `v`) for when it returns. `clock`: the rank's clock if the caller holds
 -- it (nil: read it).
+local in_turns = {} -- rank:tenant -> true: known to take turns, within this script call
+
 local function leave_turns(rank, tenant, v, clock)
+  in_turns[rank .. ':' .. tenant] = nil
   redis.call('ZREM', turns_key(rank), tenant)
   if v > (clock or rank_clock(rank)) then
     redis.call('HSET', BASE .. ':vsaved:' .. rank, tenant, v)
@@ -54,12 +57,13 @@ local function ready_add(id, rank, tenant, score)
   redis.call('ZADD', rank_key(rank), score, id)
   redis.call('ZADD', tenant_key(rank, tenant), score, id)
   local turns = turns_key(rank)
-  if not redis.call('ZSCORE', turns, tenant) then
+  if not in_turns[rank .. ':' .. tenant] and not redis.call('ZSCORE', turns, tenant) then
     local saved = BASE .. ':vsaved:' .. rank
     local lead = tonumber(redis.call('HGET', saved, tenant) or '0')
     redis.call('HDEL', saved, tenant)
     redis.call('ZADD', turns, math.max(rank_clock(rank), lead), tenant)
   end
+  in_turns[rank .. ':' .. tenant] = true
 end
 
 -- Takes a job out of its ready sets; true if it was ready. `clock` as for leave_turns.

@@ -75,16 +75,6 @@ for r = 0, LOWEST_RANK do
   clocks[r] = rank_clock(r)
 end
 
--- The sequence is checked once (next_seq restarts a lost one), then only incremented.
-local seq_checked = false
-local function next_token()
-  if seq_checked then
-    return redis.call('INCR', key('seq'))
-  end
-  seq_checked = true
-  return next_seq(key('seq'))
-end
-
 local leased = {} -- tenant -> leases taken by this pull, counted once at the end
 local out = {}
 local spent, taken = 0, 0
@@ -161,7 +151,7 @@ while taken < max_jobs do
           leave_turns(rank, tenant, v, clocks[rank])
         end
         read_head(rank)
-        local first = next_token()
+        local first = next_seq(key('seq'))
         if #run > 1 then
           redis.call('INCRBY', key('seq'), #run - 1)
         end
