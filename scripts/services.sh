@@ -343,7 +343,22 @@ print(json.dumps({"identities": [{
   mv -f "$tmp" "$WEED_CREDS"
 }
 
+# Start weed, trying again when it exits during start-up: a CI run once saw it quit silently
+# while its volume server started (a port still held by a server that was just stopped is
+# the likely cause), and a second try a few seconds later finds the ports free.
 start_weed() {
+  local attempt
+  for attempt in 1 2 3; do
+    if start_weed_once; then return 0; fi
+    log "SeaweedFS exited during start-up (attempt $attempt of 3); listening sockets:"
+    ss -ltnp 2>/dev/null | grep -E ':(8333|8888|9333|9340|1[0-9]{4})\b' >&2 || true
+    sleep $((attempt * 3))
+  done
+  die "SeaweedFS exited during start-up three times (full log: $WEED_LOG)"
+}
+
+# One start: 0 once healthy, 1 if weed exited during start-up; dies after 60 s unanswered.
+start_weed_once() {
   local pid
   mkdir -p "$WEED_DATA"
   if [[ -f "$WEED_LOG" ]]; then mv -f "$WEED_LOG" "$WEED_LOG.1"; fi
@@ -367,7 +382,7 @@ start_weed() {
     if [[ -f "$WEED_PID" ]] && ! weed_pid >/dev/null; then
       sleep 0.5 # let the log flush
       tail -n 30 "$WEED_LOG" >&2
-      die "SeaweedFS exited during start-up (full log: $WEED_LOG)"
+      return 1
     fi
     if ((SECONDS >= deadline)); then
       tail -n 30 "$WEED_LOG" >&2
