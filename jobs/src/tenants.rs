@@ -95,26 +95,25 @@ impl Store {
                 sqlx::query("DELETE FROM tenants WHERE tenant = $1").bind(tenant).execute(&mut *tx).await?;
             }
         }
-        let shares = shares_in(&mut tx).await?;
-        queue.set_shares(&shares).await?;
-        tx.commit().await?;
-        Ok(())
+        copy_shares(tx, queue).await
     }
 
     /// Copies every share into Redis (the reconciler, each sweep: Redis may have lost them).
     pub async fn restore_tenant_shares(&self, queue: &Queue) -> Result<()> {
         let mut tx = self.pool().begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(SHARES_LOCK).execute(&mut *tx).await?;
-        let shares = shares_in(&mut tx).await?;
-        queue.set_shares(&shares).await?;
-        tx.commit().await?;
-        Ok(())
+        copy_shares(tx, queue).await
     }
 }
 
-async fn shares_in(tx: &mut sqlx::PgConnection) -> Result<Vec<TenantShare>> {
-    let rows = sqlx::query("SELECT tenant, weight, max_running FROM tenants").fetch_all(tx).await?;
-    rows.iter()
+/// Reads every share in `tx` (which holds the shares lock), writes them to Redis, commits.
+async fn copy_shares(mut tx: sqlx::Transaction<'_, sqlx::Postgres>, queue: &Queue) -> Result<()> {
+    let rows = sqlx::query("SELECT tenant, weight, max_running FROM tenants").fetch_all(&mut *tx).await?;
+    let shares = rows
+        .iter()
         .map(|r| Ok(TenantShare { tenant: r.try_get("tenant")?, weight: r.try_get("weight")?, max_running: r.try_get("max_running")? }))
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    queue.set_shares(&shares).await?;
+    tx.commit().await?;
+    Ok(())
 }

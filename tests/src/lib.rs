@@ -91,6 +91,18 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
+/// A progress bar for the benchmark binaries' long steps: `what`, a bar, count, rate and eta.
+pub fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    pb
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
@@ -388,10 +400,26 @@ impl Cluster {
         Ok((status, resp.json().await.unwrap_or(Value::Null)))
     }
 
-    /// Submits jobs through `POST /v1/jobs/batch` in chunks of 1,000; returns their ids in order.
+    /// Submits jobs through `POST /v1/jobs/batch`, up to 1,000 and under 8 MiB of JSON a request
+    /// (half the API's default body limit, so jobs carrying base64 audio fit); returns their ids
+    /// in order.
     pub async fn submit_all(&self, jobs: &[Value]) -> Result<Vec<Uuid>> {
+        const MAX_JOBS: usize = 1000;
+        const MAX_BYTES: usize = 8 << 20;
         let mut ids = Vec::with_capacity(jobs.len());
-        for chunk in jobs.chunks(1000) {
+        let mut start = 0;
+        while start < jobs.len() {
+            let (mut end, mut bytes) = (start, 0);
+            while end < jobs.len() && end - start < MAX_JOBS {
+                let size = serde_json::to_vec(&jobs[end])?.len() + 1;
+                if end > start && bytes + size > MAX_BYTES {
+                    break;
+                }
+                bytes += size;
+                end += 1;
+            }
+            let chunk = &jobs[start..end];
+            start = end;
             let (status, body) = self.post("/v1/jobs/batch", &serde_json::json!({ "jobs": chunk })).await?;
             if status != 201 {
                 bail!("batch submit answered {status}: {body}");

@@ -39,11 +39,17 @@ local function rank_clock(rank)
   return tonumber(redis.call('HGET', key('vclock'), rank) or '0')
 end
 
+-- A tenant's weight: `weights` holds those other than 1.
+local function tenant_weight(tenant)
+  local w = tonumber(redis.call('HGET', key('weights'), tenant) or '1') or 1
+  return w > 0 and w or 1
+end
+
+local in_turns = {} -- rank:tenant -> true: known to take turns, within this script call
+
 -- A tenant with nothing ready in `rank` any more leaves its turns, keeping a lead over the
 -- clock (virtual time `v`) for when it returns. `clock`: the rank's clock if the caller holds
 -- it (nil: read it).
-local in_turns = {} -- rank:tenant -> true: known to take turns, within this script call
-
 local function leave_turns(rank, tenant, v, clock)
   in_turns[rank .. ':' .. tenant] = nil
   redis.call('ZREM', turns_key(rank), tenant)
@@ -66,8 +72,8 @@ local function ready_add(id, rank, tenant, score)
   in_turns[rank .. ':' .. tenant] = true
 end
 
--- Takes a job out of its ready sets; true if it was ready. `clock` as for leave_turns.
-local function ready_remove(id, rank, tenant, clock)
+-- Takes a job out of its ready sets; true if it was ready.
+local function ready_remove(id, rank, tenant)
   if redis.call('ZREM', rank_key(rank), id) == 0 then
     return false
   end
@@ -76,7 +82,7 @@ local function ready_remove(id, rank, tenant, clock)
   if redis.call('EXISTS', tq) == 0 then
     local v = redis.call('ZSCORE', turns_key(rank), tenant)
     if v then
-      leave_turns(rank, tenant, tonumber(v), clock)
+      leave_turns(rank, tenant, tonumber(v))
     end
   end
   return true

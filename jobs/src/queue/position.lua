@@ -22,10 +22,6 @@ local function ahead(tenant)
   end
   return n
 end
-local function weight(tenant)
-  local w = tonumber(redis.call('HGET', key('weights'), tenant) or '1') or 1
-  return w > 0 and w or 1
-end
 local own = meta_tenant(meta)
 local k = ahead(own)
 local total = k
@@ -34,7 +30,7 @@ for rank = 0, LOWEST_RANK do
   for _, tenant in ipairs(redis.call('ZRANGE', turns_key(rank), 0, -1)) do
     if not seen[tenant] then
       seen[tenant] = true
-      total = total + math.min(ahead(tenant), math.floor(k * weight(tenant) / weight(own) + 0.5))
+      total = total + math.min(ahead(tenant), math.floor(k * tenant_weight(tenant) / tenant_weight(own) + 0.5))
     end
   end
 end

@@ -27,8 +27,7 @@ end
 local weights, caps, running = {}, {}, {}
 local function weight(tenant)
   if weights[tenant] == nil then
-    local w = tonumber(redis.call('HGET', key('weights'), tenant) or '1') or 1
-    weights[tenant] = w > 0 and w or 1
+    weights[tenant] = tenant_weight(tenant)
   end
   return weights[tenant]
 end
@@ -65,7 +64,7 @@ end
 local RUN_MAX = 512
 
 -- Each rank's head score (false: empty), re-read only for the rank a job was taken from.
-local heads, clocks = {}, {}
+local heads, clocks, clocks_read = {}, {}, {}
 local function read_head(rank)
   local head = redis.call('ZRANGE', rank_key(rank), 0, 0, 'WITHSCORES')
   heads[rank] = #head > 0 and tonumber(head[2])
@@ -73,6 +72,7 @@ end
 for r = 0, LOWEST_RANK do
   read_head(r)
   clocks[r] = rank_clock(r)
+  clocks_read[r] = clocks[r]
 end
 
 local leased = {} -- tenant -> leases taken by this pull, counted once at the end
@@ -116,7 +116,7 @@ while taken < max_jobs do
     local found = redis.call('ZRANGE', tq, 0, room - 1, 'WITHSCORES')
     if #found == 0 then
       -- Not reached: a tenant leaves the turns with its last ready job. Mended if it were.
-      leave_turns(rank, tenant, v)
+      leave_turns(rank, tenant, v, clocks[rank])
     else
       local ids = {}
       for j = 1, #found, 2 do
@@ -180,7 +180,7 @@ while taken < max_jobs do
   end
 end
 for r = 0, LOWEST_RANK do
-  if clocks[r] > rank_clock(r) then
+  if clocks[r] > clocks_read[r] then
     redis.call('HSET', key('vclock'), r, clocks[r])
   end
 end

@@ -10,11 +10,10 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
-use tern_e2e::Cluster;
+use tern_e2e::{progress_bar, Cluster};
 
 #[derive(Parser, Debug)]
 #[command(name = "tern-bench-clients", version, about = "Run a 50,000-line batch and a 1,000-recording directory through tern")]
@@ -25,13 +24,6 @@ struct Args {
     /// Recordings in the directory `tern transcribe` runs over (0 skips it).
     #[arg(long, env = "TERN_BENCH_RECORDINGS", default_value_t = 1_000)]
     recordings: usize,
-}
-
-fn bar(len: u64, what: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(ProgressStyle::with_template("{msg:>24} [{bar:30}] {pos}/{len} {per_sec} eta {eta}").expect("valid template").progress_chars("=> "));
-    pb.set_message(what.to_string());
-    pb
 }
 
 /// Uploads, runs and checks a batch of `n` embedding lines; prints its figures.
@@ -60,7 +52,7 @@ async fn batch(n: usize) -> Result<()> {
         .await?;
     ensure!(status == 200, "create answered {status}: {created}");
     let id = created["id"].as_str().context("a batch id")?.to_string();
-    let pb = bar(n as u64, "batch lines answered");
+    let pb = progress_bar(n as u64, "batch lines answered");
     let finished = loop {
         let (_, b) = cluster.get(&format!("/v1/batches/{id}")).await?;
         let counts = &b["request_counts"];

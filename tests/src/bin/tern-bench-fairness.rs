@@ -12,11 +12,10 @@
 
 use anyhow::{ensure, Result};
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use tern_e2e::Cluster;
+use tern_e2e::{progress_bar, Cluster};
 use uuid::Uuid;
 
 #[derive(Parser, Debug)]
@@ -51,21 +50,10 @@ struct Args {
     concurrency: usize,
 }
 
-fn bar(len: u64, what: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{msg:>24} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    pb.set_message(what.to_string());
-    pb
-}
-
 /// Submits `n` echo jobs as the tenant whose client this is, 1,000 a request, 4 in flight.
 async fn submit(cluster: &Cluster, client: &reqwest::Client, n: usize, what: &str) -> Result<Vec<Uuid>> {
     let jobs: Vec<Value> = (0..n).map(|i| json!({"kind": "echo", "input": {"message": i}})).collect();
-    let pb = bar(n as u64, what);
+    let pb = progress_bar(n as u64, what);
     let mut ids = Vec::with_capacity(n);
     let chunks: Vec<&[Value]> = jobs.chunks(1000).collect();
     for group in chunks.chunks(4) {
@@ -184,7 +172,7 @@ impl Bench {
         let (status, _) = cluster.post("/v1/admin/queues/echo/pause", &json!({})).await?;
         ensure!(status == 200);
         let per = self.args.cost_jobs / tenants;
-        let pb = bar(tenants as u64, "queueing per tenant");
+        let pb = progress_bar(tenants as u64, "queueing per tenant");
         for t in 0..tenants {
             let client = self.key(&cluster, &format!("tenant-{t}")).await?;
             let jobs: Vec<Value> = (0..per).map(|i| json!({"kind": "echo", "input": {"message": i}})).collect();
@@ -200,7 +188,7 @@ impl Bench {
         let start = Instant::now();
         let (status, _) = cluster.post("/v1/admin/queues/echo/resume", &json!({})).await?;
         ensure!(status == 200);
-        let pb = bar(total as u64, &format!("draining, {tenants} tenants"));
+        let pb = progress_bar(total as u64, &format!("draining, {tenants} tenants"));
         loop {
             let done = succeeded(&cluster).await?;
             pb.set_position(done as u64);

@@ -169,6 +169,15 @@ async fn main() -> Result<()> {
             long_seconds / long.seconds,
             long.busy * 100.0
         );
+        // How the worker sized its batches: the measured bytes per window, the budget, the
+        // device's free memory and the batches split for want of memory.
+        let text = reqwest::get(&metrics).await?.text().await?;
+        for line in text.lines().filter(|l| BATCHING_GAUGES.iter().any(|g| l.starts_with(g))) {
+            println!("{:>14} {line}", "");
+        }
     }
     Ok(())
 }
+
+/// The worker's metrics that show how it sized its batches, printed after each budget's run.
+const BATCHING_GAUGES: [&str; 4] = ["tern_engine_batch_budget", "tern_model_unit_bytes", "tern_engine_device_free_bytes", "tern_engine_oom_splits_total"];

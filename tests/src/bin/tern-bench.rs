@@ -11,10 +11,9 @@
 
 use anyhow::Result;
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
-use tern_e2e::Cluster;
+use tern_e2e::{progress_bar, Cluster};
 
 #[derive(Parser, Debug)]
 #[command(name = "tern-bench", version, about = "Measure tern's end-to-end echo throughput and submit latency")]
@@ -36,17 +35,6 @@ struct Args {
     concurrency: usize,
 }
 
-fn bar(len: u64, what: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    pb.set_message(what.to_string());
-    pb
-}
-
 fn jobs(n: usize) -> Vec<Value> {
     let priorities = ["urgent", "high", "normal", "low"];
     (0..n).map(|i| json!({"kind": "echo", "priority": priorities[i % 4], "input": {"message": i}})).collect()
@@ -55,7 +43,7 @@ fn jobs(n: usize) -> Vec<Value> {
 /// Submits with 4 batch requests in flight; returns seconds taken.
 async fn bulk_submit(cluster: &Cluster, n: usize, what: &str) -> Result<f64> {
     let all = jobs(n);
-    let pb = bar(n as u64, what);
+    let pb = progress_bar(n as u64, what);
     let start = Instant::now();
     let chunks: Vec<&[Value]> = all.chunks(1000).collect();
     for group in chunks.chunks(4) {
@@ -73,7 +61,7 @@ async fn succeeded(cluster: &Cluster) -> Result<i64> {
 }
 
 async fn wait_all_succeeded(cluster: &Cluster, n: usize, what: &str) -> Result<()> {
-    let pb = bar(n as u64, what);
+    let pb = progress_bar(n as u64, what);
     loop {
         let done = succeeded(cluster).await? as u64;
         pb.set_position(done);
@@ -153,7 +141,7 @@ async fn main() -> Result<()> {
 
     // Latency of single submits, one at a time, with nothing else running.
     let cluster = Cluster::start(&quiet).await?;
-    let pb = bar(args.latency_samples as u64, "timing single submits");
+    let pb = progress_bar(args.latency_samples as u64, "timing single submits");
     let mut samples = Vec::with_capacity(args.latency_samples);
     for i in 0..args.latency_samples {
         let body = json!({"kind": "echo", "input": {"message": i}});
