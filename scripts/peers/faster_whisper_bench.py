@@ -16,6 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only
 import numpy as np
 import ctranslate2, faster_whisper
 from faster_whisper import BatchedInferencePipeline, WhisperModel
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tern_workloads import word_errors as errors, words  # tern's wer.rs, ported
 
 quick = "--quick" in sys.argv
 n_clips, long_s = (2, 10.0) if quick else (20, 120.0)
@@ -29,19 +31,6 @@ def decode(b):  # 16-bit PCM WAV, 16 kHz (the test clips); mono mix like tern's 
         x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
         return np.clip(x.reshape(-1, w.getnchannels()).mean(axis=1), -1.0, 1.0)
 
-def words(t):  # tern's wer::words
-    ws = "".join(c if c.isalnum() or c == "'" else " " for c in t.lower()).split()
-    ws = [w.strip("'") for w in ws]
-    return [{"mr": "mister", "mrs": "missus", "dr": "doctor"}.get(w, w) for w in ws if w]
-
-def errors(r, h):  # word-level edit distance
-    prev = list(range(len(h) + 1))
-    for i, rw in enumerate(r):
-        cur = [i + 1]
-        for j, hw in enumerate(h):
-            cur.append(min(prev[j] + (rw != hw), prev[j + 1] + 1, cur[j] + 1))
-        prev = cur
-    return prev[-1]
 
 # Clips sorted by their bytes, as the Rust `clips.sort()` on Vec<Vec<u8>> does.
 clips = sorted((open(p, "rb").read(), os.path.basename(p)[:-4]) for p in glob.glob(f"{data}/*.wav"))

@@ -210,6 +210,21 @@ impl Encoder {
     /// window `b` is its first `lens[b]` positions (`2 * lens[b]` mel frames, the rest zeros),
     /// and its positions up to there come out as they would alone; the rest is padding.
     pub fn forward(&self, mel: &Tensor, lens: Option<&[usize]>) -> Result<Tensor> {
+        // candle's CUDA kernels (softmax among them) index a tensor with 32-bit signed
+        // integers: attention scores of 256 full windows of tiny.en are 3.5e9 elements, an
+        // illegal address on an H100. Larger batches go through in parts of under 2^30 scores.
+        let (batch, _, frames) = mel.dims3()?;
+        let most = ((1usize << 30) / (self.n_head * (frames / 2).pow(2)).max(1)).max(1);
+        if batch > most {
+            let parts = (0..batch)
+                .step_by(most)
+                .map(|start| {
+                    let n = most.min(batch - start);
+                    self.forward(&mel.narrow(0, start, n)?, lens.map(|l| &l[start..start + n]))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Tensor::cat(&parts, 0);
+        }
         let mel = mel.to_dtype(self.positions.dtype())?;
         let x = match &self.bf16_convs {
             Some((conv1, conv2)) => {
