@@ -11,6 +11,7 @@ use std::time::Instant;
 use candle_core::Device;
 use tern_models::generate::{
     ChatMessage, FinishReason, GenerateError, GenerateOptions, Generation, GenerationRequest, Llm, Prompt,
+    WeightLayout,
 };
 
 fn model_dir() -> Option<PathBuf> {
@@ -257,6 +258,29 @@ fn a_batch_serves_each_request_as_alone_and_isolates_failures() {
     assert_eq!(results[3].as_ref().unwrap(), &alone_greedy, "greedy, batched");
 }
 
+/// Enough sampled requests that a step samples its rows on several threads: each, with its
+/// own seed, comes out as it does alone.
+#[test]
+fn many_sampled_requests_sampled_side_by_side_each_come_out_as_alone() {
+    let Some(llm) = llm() else { return };
+    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let opts: Vec<GenerateOptions> =
+        (0..10).map(|seed| GenerateOptions { max_tokens: 12, temperature: 0.9, seed, ..Default::default() }).collect();
+    let alone: Vec<Generation> = opts.iter().map(|o| llm.generate(&story, o, &mut |_, _| true).unwrap()).collect();
+    let distinct: std::collections::HashSet<&str> = alone.iter().map(|g| g.text.as_str()).collect();
+    assert!(distinct.len() > 1, "the seeds should give different texts: {alone:?}");
+    let mut callbacks: Vec<_> = (0..opts.len()).map(|_| |_: &str, _: usize| true).collect();
+    let requests = opts
+        .iter()
+        .zip(callbacks.iter_mut())
+        .map(|(options, on_text)| GenerationRequest { prompt: &story, options, on_text: on_text as &mut dyn FnMut(&str, usize) -> bool })
+        .collect();
+    let together = llm.generate_batch(requests);
+    for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(t.as_ref().unwrap(), a, "request {i}: batched as alone");
+    }
+}
+
 /// Continuous batching: a request admitted while another decodes joins it at the next step,
 /// comes out as alone, and each result is delivered as soon as its request ends (the short
 /// late one before the long first one).
@@ -296,14 +320,23 @@ fn a_request_admitted_mid_batch_joins_the_running_one_and_each_comes_out_as_alon
     assert_eq!(finished[1].1, alone_long, "sampled, joined by another mid-batch");
 }
 
-/// The forward pass GPUs run (candle's ops, [`Llm::load_gguf_portable`]), here on the CPU: it
-/// answers as the model should, and requests of different prompt lengths decoded together,
-/// one joining mid-batch, each come out as they do alone (each keeps its own cache and
-/// position).
+/// The forward pass GPUs run (candle's ops, [`Llm::load_gguf_portable`]), here on the CPU,
+/// with the matrices as the GGUF stores them and dequantized (a GPU's default): it answers as
+/// the model should, and requests of different prompt lengths decoded together, one joining
+/// mid-batch, each come out as they do alone (each keeps its own cache and position).
 #[test]
 fn the_portable_pass_decodes_requests_together_each_as_alone() {
+    the_portable_pass_decodes_each_as_alone(WeightLayout::Quantized);
+}
+
+#[test]
+fn the_portable_pass_on_dense_weights_decodes_requests_together_each_as_alone() {
+    the_portable_pass_decodes_each_as_alone(WeightLayout::Dense);
+}
+
+fn the_portable_pass_decodes_each_as_alone(layout: WeightLayout) {
     let Some(dir) = model_dir() else { return };
-    let llm = Llm::load_gguf_portable(&dir, &Device::Cpu).expect("load SmolLM2 on candle's ops");
+    let llm = Llm::load_gguf_portable(&dir, &Device::Cpu, layout).expect("load SmolLM2 on candle's ops");
     let question = capital_question();
     let paris = llm.generate(&question, &greedy(16), &mut |_, _| true).unwrap();
     assert!(paris.text.contains("Paris"), "{paris:?}");

@@ -3,7 +3,7 @@
 //! model-level figures (faster-whisper audio-s/s, sentence-transformers texts/s, llama.cpp
 //! tokens/s) and show what a GPU worker does with a batch.
 //!
-//! - transcribe: 20 LibriVox clips (the five of `testdata/librivox`, four times) and one
+//! - transcribe: `--clips` LibriVox clips (the five of `testdata/librivox` in turn; 20 by default) and one
 //!   recording of about `--long-seconds` built from them, at each window budget of
 //!   `--budgets`; audio seconds per second, word error rate against the references, and how
 //!   many clips transcribed differently from budget 1;
@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tern_models::audio::decode_mono_16k;
 use tern_models::embed::Embedder;
-use tern_models::generate::{ChatMessage, GenerateOptions, GenerationRequest, Llm, Prompt};
+use tern_models::generate::{ChatMessage, GenerateOptions, GenerationRequest, Llm, Prompt, WeightLayout};
 use tern_models::precision::Precision;
 use tern_models::wer::{word_errors, words};
 use tern_models::whisper::{Padding, TranscribeOptions, Whisper};
@@ -52,6 +52,9 @@ struct Args {
     /// Window budgets (30 s windows run together) to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
     budgets: Vec<usize>,
+    /// Short clips per window budget, the LibriVox clips in turn (default 20, four of each).
+    #[arg(long, default_value_t = 20)]
+    clips: usize,
     /// Length of the long recording, seconds.
     #[arg(long, default_value_t = 120.0)]
     long_seconds: f64,
@@ -84,6 +87,10 @@ struct Args {
     /// Language model folder under the models directory.
     #[arg(long, default_value = "smollm2-135m-instruct")]
     llm_model: String,
+    /// The language model's matrices: `auto` (tern's own pass on the CPU, dense on a GPU), or
+    /// candle's ops with them `quantized` (as stored) or `dense` (dequantized to F32 at load).
+    #[arg(long, default_value = "auto")]
+    llm_weights: String,
 }
 
 fn parse_device(s: &str) -> Result<Device> {
@@ -154,8 +161,7 @@ fn librivox(dir: &Path) -> Result<Vec<(Vec<f32>, String)>> {
 fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     let clips = librivox(&dir.join("testdata/librivox"))?;
     anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
-    // Four copies of the five clips make the twenty.
-    let short: Vec<&(Vec<f32>, String)> = (0..4).flat_map(|_| clips.iter()).collect();
+    let short: Vec<&(Vec<f32>, String)> = clips.iter().cycle().take(args.clips).collect();
     let short_seconds: f64 = short.iter().map(|(p, _)| p.len() as f64 / 16_000.0).sum();
     let mut long = Vec::new();
     let mut long_words = Vec::new();
@@ -270,7 +276,15 @@ fn embed(args: &Args, dir: &Path, device: &Device) -> Result<()> {
 }
 
 fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
-    let llm = Llm::load_gguf(&dir.join(&args.llm_model), device).context("run scripts/models.sh --all")?;
+    let path = dir.join(&args.llm_model);
+    let llm = match args.llm_weights.as_str() {
+        "auto" => Llm::load_gguf(&path, device),
+        "quantized" => Llm::load_gguf_portable(&path, device, WeightLayout::Quantized),
+        "dense" => Llm::load_gguf_portable(&path, device, WeightLayout::Dense),
+        other => bail!("--llm-weights: {other:?} is not auto, quantized or dense"),
+    }
+    .context("run scripts/models.sh --all")?;
+    eprintln!("{}: weights {} ({:.0} MB resident)", args.llm_model, args.llm_weights, llm.weights_bytes() as f64 / 1e6);
     let prompt = Prompt::Chat(vec![ChatMessage {
         role: "user".into(),
         content: "Write a long story about a lighthouse keeper who finds a message in a bottle.".into(),

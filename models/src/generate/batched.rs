@@ -4,31 +4,60 @@
 //! weight matrix in one product, and each request keeps its own key/value cache, over which it
 //! alone attends, so its tokens do not depend on what it is batched with.
 //!
-//! Still to make a GPU's step cheap (issue 19): attention runs per request (a few small
-//! kernels each per layer), the caches grow by concatenation, and the logits come back to the
-//! host for sampling.
+//! A step's attention is one set of kernels for every request: the requests' keys and values
+//! live in caches shared by the batch, a slot (row) each ([`SlotCaches`]), so the number of
+//! kernels a step launches does not grow with the requests in it. The logits still come back
+//! to the host for sampling.
 
 use std::io::{Read, Seek};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 use candle_transformers::quantized_nn::RmsNorm;
 
 use super::llama::Config;
+use super::WeightLayout;
 
 struct Layer {
     attn_norm: RmsNorm,
-    q: QMatMul,
-    k: QMatMul,
-    v: QMatMul,
-    attn_output: QMatMul,
+    q: Matrix,
+    k: Matrix,
+    v: Matrix,
+    attn_output: Matrix,
     ffn_norm: RmsNorm,
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+/// A weight matrix as [`WeightLayout`] keeps it.
+enum Matrix {
+    Quantized(QMatMul),
+    /// `(out, in)`, F32.
+    Dense(Tensor),
+}
+
+impl Matrix {
+    /// `x (.., in)` times the matrix's transpose: `(.., out)`. A dense matrix multiplies every
+    /// row of every request in one 2-D product (one GEMM), not one per leading index.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Matrix::Quantized(q) => q.forward(x),
+            Matrix::Dense(w) => {
+                let dims = x.dims();
+                let (lead, inner) = dims.split_at(dims.len() - 1);
+                let rows: usize = lead.iter().product();
+                let y = x.reshape((rows, inner[0]))?.matmul(&w.t()?)?;
+                let mut out = lead.to_vec();
+                out.push(w.dim(0)?);
+                y.reshape(out)
+            }
+        }
+    }
 }
 
 /// A llama-architecture model on a candle device, any quantization candle multiplies.
@@ -37,38 +66,104 @@ pub(crate) struct BatchedLlama {
     embeddings: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    output: QMatMul,
+    output: Matrix,
     /// `positions x head_dim / 2`, on the device.
     cos: Tensor,
     sin: Tensor,
     device: Device,
+    caches: Arc<Mutex<SlotCaches>>,
 }
 
-/// One request's keys and values, per layer `(1, kv_heads, len, head_dim)`.
-pub(crate) struct RowCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    len: usize,
+/// The keys and values of every running request: per layer one key and one value tensor
+/// `(slots, kv_heads, positions, head_dim)`, each request owning a slot (row) for its life, so
+/// a decoding step writes every request's new key with one scatter and attends for all of
+/// them with one product (no per-request kernels, no caches regrown by concatenation). The
+/// last position of each row is scratch: slots with no request in a step write there.
+#[derive(Default)]
+struct SlotCaches {
+    layers: Vec<(Tensor, Tensor)>,
+    in_use: Vec<bool>,
 }
 
-impl RowCache {
-    /// Adds layer `l`'s new keys and values and returns all of them.
-    fn append(&mut self, l: usize, k: Tensor, v: Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        let kv = match self.layers[l].take() {
-            None => (k, v),
-            Some((ks, vs)) => (Tensor::cat(&[&ks, &k], 2)?, Tensor::cat(&[&vs, &v], 2)?),
+impl SlotCaches {
+    /// `(slots, positions)` the tensors hold; `(0, 0)` before the first request.
+    fn dims(&self) -> (usize, usize) {
+        self.layers.first().map_or((0, 0), |(k, _)| {
+            let d = k.dims();
+            (d[0], d[2])
+        })
+    }
+
+    /// Slots and positions for one more request of `capacity` positions; its slot. Grows the
+    /// tensors (doubling the slots, positions rounded up to 64) when they are too small.
+    fn claim(&mut self, capacity: usize, cfg: &Config, device: &Device) -> candle_core::Result<usize> {
+        let slot = match self.in_use.iter().position(|used| !used) {
+            Some(free) => free,
+            None => {
+                self.in_use.push(false);
+                self.in_use.len() - 1
+            }
         };
-        self.layers[l] = Some(kv.clone());
-        Ok(kv)
+        self.in_use[slot] = true;
+        let (slots, positions) = self.dims();
+        let need = (capacity + 1).max(positions);
+        if slot >= slots || need > positions {
+            let slots_now = if slot >= slots { (slots * 2).max(slot + 1) } else { slots };
+            let positions_now = need.div_ceil(64) * 64;
+            let grow = |t: Option<&Tensor>| -> candle_core::Result<Tensor> {
+                match t {
+                    None => Tensor::zeros((slots_now, cfg.kv_heads, positions_now, cfg.head_dim), DType::F32, device),
+                    Some(t) => t.pad_with_zeros(2, 0, positions_now - positions)?.pad_with_zeros(0, 0, slots_now - slots),
+                }
+            };
+            self.layers = (0..cfg.layers)
+                .map(|l| Ok((grow(self.layers.get(l).map(|kv| &kv.0))?, grow(self.layers.get(l).map(|kv| &kv.1))?)))
+                .collect::<candle_core::Result<_>>()?;
+        }
+        Ok(slot)
+    }
+
+    fn release(&mut self, slot: usize) {
+        self.in_use[slot] = false;
+        // With no request left, the memory goes back.
+        if !self.in_use.contains(&true) {
+            *self = SlotCaches::default();
+        }
+    }
+}
+
+/// One request's place in the shared caches: its slot and how many positions it has filled.
+pub(crate) struct RowCache {
+    slot: usize,
+    len: usize,
+    caches: Arc<Mutex<SlotCaches>>,
+}
+
+impl Drop for RowCache {
+    fn drop(&mut self) {
+        self.caches.lock().unwrap_or_else(|e| e.into_inner()).release(self.slot);
     }
 }
 
 impl BatchedLlama {
-    /// Loads the model onto `device` with rotary tables for `positions` positions; `Ok(None)`
-    /// for a variant it does not implement ([`Config::from_gguf`]).
-    pub(crate) fn from_gguf<R: Read + Seek>(content: &Content, reader: &mut R, device: &Device, positions: usize) -> Result<Option<BatchedLlama>> {
+    /// Loads the model onto `device` with rotary tables for `positions` positions, its matrices
+    /// kept as `layout` says; `Ok(None)` for a variant it does not implement
+    /// ([`Config::from_gguf`]).
+    pub(crate) fn from_gguf<R: Read + Seek>(
+        content: &Content,
+        reader: &mut R,
+        device: &Device,
+        positions: usize,
+        layout: WeightLayout,
+    ) -> Result<Option<BatchedLlama>> {
         let Some(cfg) = Config::from_gguf(content)? else { return Ok(None) };
         let mut tensor = |name: &str| content.tensor(reader, name, device).with_context(|| format!("reading {name}"));
-        let matrix = |t| QMatMul::from_qtensor(t).map_err(anyhow::Error::from);
+        let matrix = |t: QTensor| -> Result<Matrix> {
+            Ok(match layout {
+                WeightLayout::Quantized => Matrix::Quantized(QMatMul::from_qtensor(t)?),
+                WeightLayout::Dense => Matrix::Dense(t.dequantize(device)?.to_dtype(DType::F32)?),
+            })
+        };
         let norm = |t| RmsNorm::from_qtensor(t, f64::from(cfg.rms_eps)).map_err(anyhow::Error::from);
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
@@ -87,10 +182,11 @@ impl BatchedLlama {
         }
         let embedding_table = tensor("token_embd.weight")?;
         let embeddings = Embedding::new(embedding_table.dequantize(device)?, cfg.hidden);
-        // Tied embeddings when the file has no output matrix.
-        let output = match content.tensor_infos.contains_key("output.weight") {
-            true => matrix(tensor("output.weight")?)?,
-            false => matrix(embedding_table)?,
+        // Tied embeddings when the file has no output matrix; dense, the lookup's table is it.
+        let output = match (content.tensor_infos.contains_key("output.weight"), layout) {
+            (true, _) => matrix(tensor("output.weight")?)?,
+            (false, WeightLayout::Dense) => Matrix::Dense(embeddings.embeddings().to_dtype(DType::F32)?),
+            (false, WeightLayout::Quantized) => matrix(embedding_table)?,
         };
         let norm = norm(tensor("output_norm.weight")?)?;
         let (cos, sin) = cfg.rotary_tables(positions);
@@ -104,12 +200,18 @@ impl BatchedLlama {
             norm,
             output,
             device: device.clone(),
+            caches: Arc::default(),
         }))
     }
 
-    /// An empty cache for one request.
-    pub(crate) fn new_cache(&self) -> RowCache {
-        RowCache { layers: vec![None; self.layers.len()], len: 0 }
+    /// A place in the shared caches for one request of up to `capacity` positions.
+    pub(crate) fn new_cache(&self, capacity: usize) -> Result<RowCache> {
+        let slot = self.lock_caches().claim(capacity, &self.cfg, &self.device)?;
+        Ok(RowCache { slot, len: 0, caches: self.caches.clone() })
+    }
+
+    fn lock_caches(&self) -> std::sync::MutexGuard<'_, SlotCaches> {
+        self.caches.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs one request's `tokens` at the positions after those in its cache (adding theirs to
@@ -119,37 +221,116 @@ impl BatchedLlama {
         let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
         let cos = self.cos.narrow(0, start, t)?;
         let sin = self.sin.narrow(0, start, t)?;
-        // Token i sees the cache and the new tokens up to itself.
+        let groups = self.cfg.heads / self.cfg.kv_heads;
+        // Token i sees the cache and the new tokens up to itself; a group's heads share keys, so
+        // the mask's rows are the group's heads' tokens in turn.
         let mask = (t > 1)
             .then(|| {
-                let mask: Vec<f32> = (0..t).flat_map(|i| (0..start + t).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-                Tensor::from_vec(mask, (t, start + t), &self.device)
+                let mask: Vec<f32> = (0..groups * t)
+                    .flat_map(|row| (0..start + t).map(move |j| if j > start + row % t { f32::NEG_INFINITY } else { 0.0 }))
+                    .collect();
+                Tensor::from_vec(mask, (groups * t, start + t), &self.device)
             })
             .transpose()?;
-        let logits = self.forward(&ids, &cos, &sin, &mut [cache], mask.as_ref())?;
+        let caches = self.lock_caches();
+        let attend = |l: usize, q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
+            let (ck, cv) = &caches.layers[l];
+            let (ck, cv) = (ck.narrow(0, cache.slot, 1)?, cv.narrow(0, cache.slot, 1)?);
+            ck.slice_set(k, 2, start)?;
+            cv.slice_set(v, 2, start)?;
+            let Config { heads, kv_heads, head_dim, .. } = self.cfg;
+            let q = q.reshape((1, kv_heads, groups * t, head_dim))?;
+            let scores = (q.matmul(&ck.narrow(2, 0, start + t)?.t()?)? * self.scale())?;
+            let scores = match &mask {
+                Some(mask) => scores.broadcast_add(mask)?,
+                None => scores,
+            };
+            let y = candle_nn::ops::softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, start + t)?)?;
+            y.reshape((1, heads, t, head_dim))?.transpose(1, 2)?.reshape((1, t, heads * head_dim))
+        };
+        let logits = self.forward(&ids, &cos, &sin, attend)?;
+        drop(caches);
+        cache.len += t;
         Ok(logits.flatten_all()?.to_vec1()?)
     }
 
     /// One token of each request, at the position after those in its cache; the logits of
     /// each, in order.
     pub(crate) fn step(&self, rows: &mut [(u32, &mut RowCache)]) -> Result<Vec<Vec<f32>>> {
+        let n = rows.len();
         let tokens: Vec<u32> = rows.iter().map(|r| r.0).collect();
         let positions: Vec<u32> = rows.iter().map(|r| r.1.len as u32).collect();
         let ids = Tensor::new(tokens.as_slice(), &self.device)?.unsqueeze(1)?;
-        let positions = Tensor::new(positions.as_slice(), &self.device)?;
+        let positions_t = Tensor::new(positions.as_slice(), &self.device)?;
         // (rows, 1, head_dim / 2): each row's own position.
-        let cos = self.cos.index_select(&positions, 0)?.unsqueeze(1)?;
-        let sin = self.sin.index_select(&positions, 0)?.unsqueeze(1)?;
-        let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.1).collect();
-        Ok(self.forward(&ids, &cos, &sin, &mut caches, None)?.to_vec2()?)
+        let cos = self.cos.index_select(&positions_t, 0)?.unsqueeze(1)?;
+        let sin = self.sin.index_select(&positions_t, 0)?.unsqueeze(1)?;
+        let caches = self.lock_caches();
+        let Config { heads, kv_heads, head_dim, .. } = self.cfg;
+        let groups = heads / kv_heads;
+        // Attention runs over the slots up to the highest in this step, in slot order: each
+        // slot's row (or row 0 for a slot no row of this step holds, writing to the scratch
+        // position and seeing position 0 only), over the positions up to the longest row's.
+        let slots = rows.iter().map(|r| r.1.slot + 1).max().unwrap_or(0);
+        let span = positions.iter().map(|&p| p as usize + 1).max().unwrap_or(1);
+        let scratch = caches.dims().1 - 1;
+        let mut row_of_slot = vec![None; slots];
+        for (r, row) in rows.iter().enumerate() {
+            row_of_slot[row.1.slot] = Some(r);
+        }
+        let source: Vec<u32> = row_of_slot.iter().map(|r| r.unwrap_or(0) as u32).collect();
+        let write_at: Vec<u32> = row_of_slot.iter().map(|r| r.map_or(scratch as u32, |r| positions[r])).collect();
+        let mask: Vec<f32> = row_of_slot
+            .iter()
+            .flat_map(|r| {
+                let seen = r.map_or(0, |r| positions[r] as usize);
+                (0..span).map(move |j| if j > seen { f32::NEG_INFINITY } else { 0.0 })
+            })
+            .collect();
+        let source = Tensor::new(source.as_slice(), &self.device)?;
+        let back: Vec<u32> = rows.iter().map(|r| r.1.slot as u32).collect();
+        let back = Tensor::new(back.as_slice(), &self.device)?;
+        let write_at = Tensor::new(write_at.as_slice(), &self.device)?.reshape((slots, 1, 1, 1))?.broadcast_as((slots, kv_heads, 1, head_dim))?.contiguous()?;
+        let mask = Tensor::from_vec(mask, (slots, 1, 1, span), &self.device)?;
+        // Row r in slot r (one request alone, or a batch none has left): the rows are already
+        // in slot order, and four gathers per layer are skipped.
+        let in_order = rows.iter().enumerate().all(|(r, row)| row.1.slot == r);
+        let to_slots = |x: &Tensor| if in_order { Ok(x.clone()) } else { x.index_select(&source, 0) };
+        let attend = |l: usize, q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
+            let (ck, cv) = &caches.layers[l];
+            let (ck, cv) = (ck.narrow(0, 0, slots)?, cv.narrow(0, 0, slots)?);
+            ck.scatter_set(&write_at, &to_slots(k)?, 2)?;
+            cv.scatter_set(&write_at, &to_slots(v)?, 2)?;
+            let q = to_slots(q)?.reshape((slots, kv_heads, groups, head_dim))?;
+            let scores = (q.matmul(&ck.narrow(2, 0, span)?.t()?)? * self.scale())?.broadcast_add(&mask)?;
+            let y = candle_nn::ops::softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, span)?)?.reshape((slots, heads * head_dim))?;
+            let y = if in_order { y } else { y.index_select(&back, 0)? };
+            y.reshape((n, 1, heads * head_dim))
+        };
+        let logits = self.forward(&ids, &cos, &sin, attend)?;
+        drop(caches);
+        for row in rows.iter_mut() {
+            row.1.len += 1;
+        }
+        Ok(logits.to_vec2()?)
     }
 
-    /// `ids` `(rows, t)`: row r's tokens after those in `caches[r]`. Returns the logits of each
-    /// row's last token, `(rows, vocab)`.
-    fn forward(&self, ids: &Tensor, cos: &Tensor, sin: &Tensor, caches: &mut [&mut RowCache], mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    fn scale(&self) -> f64 {
+        1.0 / (self.cfg.head_dim as f64).sqrt()
+    }
+
+    /// `ids` `(rows, t)`: row r's tokens after those already in the caches; `attend(layer, q, k,
+    /// v)` stores the new keys and values and returns the attention output `(rows, t, hidden)`.
+    /// Returns the logits of each row's last token, `(rows, vocab)`.
+    fn forward(
+        &self,
+        ids: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        attend: impl Fn(usize, &Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
         let (rows, t) = ids.dims2()?;
         let Config { heads, kv_heads, head_dim, .. } = self.cfg;
-        let scale = 1.0 / (head_dim as f64).sqrt();
         let split = |x: Tensor, n: usize| x.reshape((rows, t, n, head_dim))?.transpose(1, 2)?.contiguous();
         let mut x = self.embeddings.forward(ids)?;
         for (l, layer) in self.layers.iter().enumerate() {
@@ -157,26 +338,11 @@ impl BatchedLlama {
             let q = candle_nn::rotary_emb::rope_i(&split(layer.q.forward(&h)?, heads)?, cos, sin)?;
             let k = candle_nn::rotary_emb::rope_i(&split(layer.k.forward(&h)?, kv_heads)?, cos, sin)?;
             let v = split(layer.v.forward(&h)?, kv_heads)?;
-            let mut attended = Vec::with_capacity(rows);
-            for (r, cache) in caches.iter_mut().enumerate() {
-                let (ks, vs) = cache.append(l, k.narrow(0, r, 1)?, v.narrow(0, r, 1)?)?;
-                let ks = candle_transformers::utils::repeat_kv(ks, heads / kv_heads)?;
-                let vs = candle_transformers::utils::repeat_kv(vs, heads / kv_heads)?;
-                let scores = (q.narrow(0, r, 1)?.matmul(&ks.t()?)? * scale)?;
-                let scores = match mask {
-                    Some(mask) => scores.broadcast_add(mask)?,
-                    None => scores,
-                };
-                attended.push(candle_nn::ops::softmax_last_dim(&scores)?.matmul(&vs.contiguous()?)?);
-            }
-            let y = Tensor::cat(&attended, 0)?.transpose(1, 2)?.reshape((rows, t, heads * head_dim))?;
+            let y = attend(l, &q, &k, &v)?;
             x = (x + layer.attn_output.forward(&y)?)?;
             let h = layer.ffn_norm.forward(&x)?;
             let gated = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
             x = (x + layer.down.forward(&gated)?)?;
-        }
-        for cache in caches.iter_mut() {
-            cache.len += t;
         }
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
         self.output.forward(&self.norm.forward(&last)?)?.to_dtype(DType::F32)

@@ -23,6 +23,7 @@ mod batched;
 mod llama;
 use batched::BatchedLlama;
 use llama::{Llama, Segment};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -32,6 +33,18 @@ use tokenizers::{AddedToken, Tokenizer};
 
 /// Default for [`GenerateOptions::max_tokens`].
 pub const DEFAULT_MAX_TOKENS: usize = 256;
+/// How the forward pass made of candle's ops (a GPU's) keeps the weight matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// As the GGUF stores them. candle multiplies a few rows on the quantized blocks, but
+    /// more rows dequantize the whole matrix on every product: on an H100, 64 requests made a
+    /// SmolLM2 step 4.6 times as long as one request's.
+    Quantized,
+    /// Dequantized once, at load, to F32 (4 bytes a parameter: 540 MB for SmolLM2-135M):
+    /// each product is one GEMM for every row of every request. The default on GPUs.
+    Dense,
+}
+
 /// Default for [`GenerateOptions::temperature`].
 pub const DEFAULT_TEMPERATURE: f64 = 0.7;
 /// Most stop sequences [`GenerateOptions::stop`] may hold.
@@ -265,17 +278,20 @@ impl Llm {
     /// pass (several times faster); other devices and quantizations run on a forward pass made
     /// of candle's ops. Both decode requests together ([`Llm::generate_batch`]). The llama
     /// variants neither implements run on candle's `quantized_llama`, one request at a time.
+    ///
+    /// On a GPU the matrices are dequantized once, at load ([`WeightLayout::Dense`]).
     pub fn load_gguf(dir_or_file: &Path, device: &Device) -> Result<Llm> {
-        Self::load_gguf_on(dir_or_file, device, device.is_cpu())
+        let layout = if device.is_cpu() { WeightLayout::Quantized } else { WeightLayout::Dense };
+        Self::load_gguf_on(dir_or_file, device, device.is_cpu(), layout)
     }
 
-    /// [`Self::load_gguf`] with candle's ops even on the CPU (`own_cpu_pass` false): how the
-    /// forward pass GPUs run is tested and measured without one.
-    pub fn load_gguf_portable(dir_or_file: &Path, device: &Device) -> Result<Llm> {
-        Self::load_gguf_on(dir_or_file, device, false)
+    /// [`Self::load_gguf`] with candle's ops even on the CPU, the matrices kept as `layout`
+    /// says: how the forward pass GPUs run is tested and measured without one.
+    pub fn load_gguf_portable(dir_or_file: &Path, device: &Device, layout: WeightLayout) -> Result<Llm> {
+        Self::load_gguf_on(dir_or_file, device, false, layout)
     }
 
-    fn load_gguf_on(dir_or_file: &Path, device: &Device, own_cpu_pass: bool) -> Result<Llm> {
+    fn load_gguf_on(dir_or_file: &Path, device: &Device, own_cpu_pass: bool, layout: WeightLayout) -> Result<Llm> {
         let path = if dir_or_file.is_dir() {
             dir_or_file.join("model.gguf")
         } else {
@@ -343,12 +359,14 @@ impl Llm {
             .map(|(name, _)| name.as_str())
             .collect();
         let load = |content: Content, mut reader: &mut dyn ReadSeek| -> Result<(Weights, u64)> {
-            let bytes = resident_bytes(&content);
-            let weights = match BatchedLlama::from_gguf(&content, &mut reader, device, context_length)? {
-                Some(batched) => Weights::Batched(batched),
-                None => Weights::Candle(ModelWeights::from_gguf(content, &mut reader, device)?),
+            let weights = match BatchedLlama::from_gguf(&content, &mut reader, device, context_length, layout)? {
+                Some(batched) => (Weights::Batched(batched), resident_bytes(&content, layout)),
+                None => {
+                    let bytes = resident_bytes(&content, WeightLayout::Quantized);
+                    (Weights::Candle(ModelWeights::from_gguf(content, &mut reader, device)?), bytes)
+                }
             };
-            Ok((weights, bytes))
+            Ok(weights)
         };
         let (weights, weights_bytes) = if slow.is_empty() {
             load(content, &mut reader)
@@ -498,12 +516,12 @@ impl Llm {
                 let number = next_number;
                 next_number += 1;
                 let started = self.start(request).and_then(|(mut seq, ids)| {
-                    let mut cache = pass.new_cache(ids.len() + seq.opts.max_tokens);
+                    let mut cache = pass.new_cache(ids.len() + seq.opts.max_tokens)?;
                     let mut logits = Vec::new();
                     for chunk in ids.chunks(PREFILL_CHUNK) {
                         logits = pass.prefill(chunk, &mut cache)?;
                     }
-                    let step = seq.step(self, &self.logits_tensor(logits)?)?;
+                    let step = seq.step(self, &logits_tensor(logits)?)?;
                     Ok((seq, cache, step))
                 });
                 match started {
@@ -527,9 +545,11 @@ impl Llm {
                     continue;
                 }
             };
+            let samplers: Vec<&mut LogitsProcessor> = live.iter_mut().map(|l| &mut l.1.sampler).collect();
+            let tokens = sample_rows(samplers, logits);
             let mut still = Vec::with_capacity(live.len());
-            for ((number, mut seq, cache, _), logits) in live.into_iter().zip(logits) {
-                match self.logits_tensor(logits).and_then(|l| seq.step(self, &l)) {
+            for ((number, mut seq, cache, _), token) in live.into_iter().zip(tokens) {
+                match token.and_then(|token| seq.accept(self, token)) {
                     Ok(Step::Next(token)) => still.push((number, seq, cache, token)),
                     Ok(Step::Done(generation)) => done(number, Ok(generation)),
                     Err(e) => done(number, Err(e)),
@@ -561,11 +581,6 @@ impl Llm {
                 Step::Next(token) => logits = forward(&mut model, &[token], seq.prompt_tokens + seq.generated.len() - 1)?,
             }
         }
-    }
-
-    fn logits_tensor(&self, logits: Vec<f32>) -> Result<Tensor> {
-        let n = logits.len();
-        Ok(Tensor::from_vec(logits, n, &Device::Cpu)?)
     }
 
     /// Checks a request and renders its prompt.
@@ -636,7 +651,7 @@ trait BatchedPass {
     /// One request's keys and values.
     type Cache;
     /// An empty cache for a request of `capacity` positions.
-    fn new_cache(&self, capacity: usize) -> Self::Cache;
+    fn new_cache(&self, capacity: usize) -> Result<Self::Cache>;
     /// Runs `tokens` at the positions after those in `cache`; the logits of the last one.
     fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>>;
     /// One token of each row at the position after its cache's; the logits of each.
@@ -646,8 +661,8 @@ trait BatchedPass {
 impl BatchedPass for Llama {
     type Cache = llama::KvCache;
 
-    fn new_cache(&self, capacity: usize) -> Self::Cache {
-        Llama::new_cache(self, capacity)
+    fn new_cache(&self, capacity: usize) -> Result<Self::Cache> {
+        Ok(Llama::new_cache(self, capacity))
     }
 
     fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>> {
@@ -664,8 +679,8 @@ impl BatchedPass for Llama {
 impl BatchedPass for BatchedLlama {
     type Cache = batched::RowCache;
 
-    fn new_cache(&self, _capacity: usize) -> Self::Cache {
-        BatchedLlama::new_cache(self)
+    fn new_cache(&self, capacity: usize) -> Result<Self::Cache> {
+        BatchedLlama::new_cache(self, capacity)
     }
 
     fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>> {
@@ -689,6 +704,28 @@ pub struct GenerationRequest<'a> {
     pub options: &'a GenerateOptions,
     /// Called after each token, as in [`Llm::generate`]; `false` cancels this request.
     pub on_text: &'a mut dyn FnMut(&str, usize) -> bool,
+}
+
+/// Rows of a step from which [`sample_rows`] samples on several threads.
+const PARALLEL_SAMPLING_ROWS: usize = 8;
+
+/// Each row's next token from its logits, by its own sampler (so a request's tokens do not
+/// depend on its neighbours). Sampling reads a row's whole vocabulary (49,152 logits for
+/// SmolLM2) on the host; from [`PARALLEL_SAMPLING_ROWS`] rows on, rows are sampled side by
+/// side on rayon's threads, so a GPU waits less for the host between steps.
+fn sample_rows(samplers: Vec<&mut LogitsProcessor>, logits: Vec<Vec<f32>>) -> Vec<Result<u32>> {
+    let sample = |(sampler, logits): (&mut LogitsProcessor, Vec<f32>)| -> Result<u32> { Ok(sampler.sample(&logits_tensor(logits)?)?) };
+    if samplers.len() < PARALLEL_SAMPLING_ROWS {
+        samplers.into_iter().zip(logits).map(sample).collect()
+    } else {
+        samplers.into_par_iter().zip(logits).map(sample).collect()
+    }
+}
+
+/// A row of logits as a host tensor, as [`LogitsProcessor`] takes them.
+fn logits_tensor(logits: Vec<f32>) -> Result<Tensor> {
+    let n = logits.len();
+    Ok(Tensor::from_vec(logits, n, &Device::Cpu)?)
 }
 
 /// A request being decoded: its sampler, the tokens and text so far, and its stop checks.
@@ -717,6 +754,11 @@ impl Decoding<'_> {
     /// decides whether the request goes on.
     fn step(&mut self, llm: &Llm, logits: &Tensor) -> Result<Step> {
         let next = self.sampler.sample(logits)?;
+        self.accept(llm, next)
+    }
+
+    /// [`Self::step`] once `next` is sampled.
+    fn accept(&mut self, llm: &Llm, next: u32) -> Result<Step> {
         if llm.end_ids.contains(&next) {
             return Ok(Step::Done(self.finish(FinishReason::Stop, None)));
         }
@@ -903,15 +945,23 @@ fn requantize<R: std::io::Read + std::io::Seek>(content: &Content, reader: &mut 
     Ok(out.into_inner())
 }
 
-/// Memory the loaded weights take (see [`Llm::weights_bytes`]).
-fn resident_bytes(content: &Content) -> u64 {
+/// Memory the loaded weights take (see [`Llm::weights_bytes`]), their matrices kept as
+/// `layout` says.
+fn resident_bytes(content: &Content, layout: WeightLayout) -> u64 {
     let stored = |name: &str| {
         content.tensor_infos.get(name).map_or(0, |info| {
             let dtype = info.ggml_dtype;
-            (info.shape.elem_count() / dtype.block_size() * dtype.type_size()) as u64
+            match layout {
+                WeightLayout::Quantized => (info.shape.elem_count() / dtype.block_size() * dtype.type_size()) as u64,
+                WeightLayout::Dense => info.shape.elem_count() as u64 * 4,
+            }
         })
     };
     let mut total: u64 = content.tensor_infos.keys().map(|name| stored(name)).sum();
+    if layout == WeightLayout::Dense {
+        // The lookup's F32 table is also the output matrix of tied-embedding models.
+        return total;
+    }
     if let Some(info) = content.tensor_infos.get("token_embd.weight") {
         // from_gguf dequantizes the embeddings to f32 for the lookup...
         total += info.shape.elem_count() as u64 * 4;

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Pack what a GPU benchmark round needs on a machine that reaches no registry (the lent H100s
+# and H200s): the CUDA worker and model benchmark, the ordinary API and service benchmark, the
+# model weights and test audio, and Postgres 15, Redis and SeaweedFS with the libraries they
+# load. The pack is split into parts small enough to carry one at a time; scripts/gpu/round.sh
+# unpacks and runs them there.
+#
+# Usage: scripts/gpu/stage.sh [PART_MB] [generate]   (default 60; parts go to .gpu/part.*,
+#        git-ignored). `generate` packs only tern-bench-models and the language model, for
+#        round.sh's `generate` stage (two parts instead of nine).
+#
+# Needs, here: `cargo build --release -p tern-api -p tern-e2e --bins` (ordinary); the CUDA build
+# of docs/gpu.md, its tern-worker and tern-bench-models copied to $TERN_CUDA_BIN (default
+# ~/.cache/tern/cuda-bin); the models (scripts/models.sh --all) and the services
+# (scripts/services.sh up).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+. scripts/env.sh
+part_mb="${1:-60}"
+cuda_bin="${TERN_CUDA_BIN:-$HOME/.cache/tern/cuda-bin}"
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+
+pack() {
+  rm -rf .gpu && mkdir -p .gpu
+  tar -C "$stage" -cf - . | gzip -4 | split -b "${part_mb}m" - .gpu/part.
+  ls -la .gpu
+}
+
+if [[ "${2:-}" == generate ]]; then
+  mkdir -p "$stage/bin" "$stage/models"
+  cp "$cuda_bin/tern-bench-models" "$stage/bin/"
+  strip "$stage/bin/tern-bench-models"
+  cp -r "$TERN_MODELS_DIR/smollm2-135m-instruct" "$stage/models/"
+  pack
+  exit 0
+fi
+
+mkdir -p "$stage/bin" "$stage/lib" "$stage/weed"
+cp "$cuda_bin/tern-worker" "$cuda_bin/tern-bench-models" "$stage/bin/"
+cp "$TERN_BIN_DIR/tern-api" "$TERN_BIN_DIR/tern-bench-transcribe" "$stage/bin/"
+strip "$stage"/bin/*
+cp -r "$TERN_MODELS_DIR" "$stage/models"
+cp "$TERN_STATE_DIR/seaweedfs/venv/bin/weed" "$stage/weed/"
+
+# Postgres keeps Debian's layout under pg/, so its binaries find share/ by relative path.
+mkdir -p "$stage/pg/usr/lib/postgresql" "$stage/pg/usr/share/postgresql"
+cp -r /usr/lib/postgresql/15 "$stage/pg/usr/lib/postgresql/"
+cp -r /usr/share/postgresql/15 "$stage/pg/usr/share/postgresql/"
+cp /usr/bin/redis-server "$stage/bin/"
+# The shared libraries of the services, but the C runtime's, which the machine has.
+for exe in /usr/lib/postgresql/15/bin/{postgres,initdb,pg_ctl,psql} /usr/bin/redis-server; do
+  ldd "$exe" | awk '$3 ~ /^\// {print $3}'
+done | sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|libresolv|libstdc\+\+|libgcc_s)\.so' |
+  xargs -I{} cp -L {} "$stage/lib/"
+
+pack
