@@ -19,13 +19,22 @@ pub struct DatabaseArgs {
 /// Redis connection and queue tuning.
 #[derive(clap::Args, Debug, Clone)]
 pub struct QueueArgs {
-    /// Redis URL.
+    /// Redis URL; with `--redis-cluster`, one or more of the cluster's nodes, comma-separated.
     #[arg(long, env = "TERN_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     pub redis_url: String,
+    /// The Redis is a Redis Cluster: follow its redirects and failovers. Off by default.
+    #[arg(long, env = "TERN_REDIS_CLUSTER", default_value_t = false, action = clap::ArgAction::Set)]
+    pub redis_cluster: bool,
+    /// Shards each kind's queue is spread over (1-64), so a hot kind is not bound to one
+    /// cluster node. Every process of a deployment must use the same number. Priority, aging
+    /// and tenants' shares then hold within each shard; a tenant's cap is split over them.
+    #[arg(long, env = "TERN_QUEUE_SHARDS", default_value_t = crate::queue::SHARDS_DEFAULT,
+        value_parser = clap::value_parser!(u16).range(1..=i64::from(crate::queue::SHARDS_MAX)))]
+    pub queue_shards: u16,
     /// Prefix of every Redis key, so several tern deployments (or tests) can share a server.
     #[arg(long, env = "TERN_REDIS_PREFIX", default_value = "tern")]
     pub redis_prefix: String,
-    /// Most pooled Redis connections.
+    /// Most pooled Redis connections (one server; a cluster multiplexes one connection a node).
     #[arg(long, env = "TERN_REDIS_POOL_SIZE", default_value_t = 16)]
     pub redis_pool_size: usize,
     /// How long (ms) a pulled job stays leased without a heartbeat before it is run elsewhere.
@@ -49,6 +58,7 @@ impl QueueArgs {
         QueueSettings {
             lease: Duration::from_millis(self.lease_ms.max(1)),
             aging_step: Duration::from_millis(self.aging_step_ms),
+            shards: self.queue_shards,
         }
     }
 
@@ -57,7 +67,11 @@ impl QueueArgs {
     }
 
     pub fn connect(&self) -> crate::Result<crate::Queue> {
-        crate::Queue::connect(&self.redis_url, &self.redis_prefix, self.redis_pool_size, self.settings())
+        if self.redis_cluster {
+            crate::Queue::connect_cluster(&self.redis_url, &self.redis_prefix, self.settings())
+        } else {
+            crate::Queue::connect(&self.redis_url, &self.redis_prefix, self.redis_pool_size, self.settings())
+        }
     }
 }
 

@@ -7,9 +7,11 @@
 //! and a dead one's job is reaped. Jobs Redis already holds are left alone, so nothing is
 //! queued twice, and Postgres refuses any second start of a job, so nothing runs twice.
 //!
-//! A marker key (`{prefix}:epoch`) tells a data loss apart: while it is present, jobs whose state
-//! changed within the last `grace` are skipped (the API may be about to enqueue them); when it
-//! is missing, every unfinished job is checked at once and the marker is set afterwards.
+//! Marker keys tell a data loss apart: `{prefix}:epoch`, and one `restored` key in each queue
+//! shard's slot (so a cluster node that loses its data loses its shards' markers with it).
+//! While they are all present, jobs whose state changed within the last `grace` are skipped
+//! (the API may be about to enqueue them); when one is missing, every unfinished job is checked
+//! at once and the markers are set afterwards.
 //! With several API replicas, a Redis lock lets one of them sweep per round.
 //!
 //! Each round also sets the Redis pause flags to the paused kinds Postgres records, the cancel
@@ -47,8 +49,14 @@ impl Reconciler {
         self.restore_cancel_flags().await?;
         self.store.restore_tenant_shares(&self.queue).await?;
         let epoch = self.queue.epoch().await?;
+        let lost_shards = self.queue.lost_shards().await?;
+        let data_lost = epoch.is_none() || !lost_shards.is_empty();
+        if !lost_shards.is_empty() && epoch.is_some() {
+            let shards: Vec<String> = lost_shards.iter().map(|(kind, shard)| format!("{kind}:{shard}")).collect();
+            tracing::warn!(shards = %shards.join(","), "queue shards lost their data; restoring them from Postgres");
+        }
         let settled_before =
-            epoch.as_ref().map(|_| Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default());
+            (!data_lost).then(|| Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default());
         let mut after: Option<Uuid> = None;
         let mut restored = 0;
         loop {
@@ -75,7 +83,7 @@ impl Reconciler {
         }
         self.queue.mark_restored().await?;
         if restored > 0 {
-            tracing::warn!(restored, redis_data_lost = epoch.is_none(), "restored jobs Redis did not hold");
+            tracing::warn!(restored, redis_data_lost = data_lost, "restored jobs Redis did not hold");
         }
         Ok(restored)
     }
