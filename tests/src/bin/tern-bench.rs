@@ -33,6 +33,14 @@ struct Args {
     /// Batches in flight per worker (TERN_CONCURRENCY of the workers).
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
+    /// Run the queue on this Redis Cluster (seed node URLs, comma-separated) instead of the
+    /// test Redis, e.g. `scripts/services.sh redis-cluster`'s
+    /// `redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002`.
+    #[arg(long)]
+    redis_cluster: Option<String>,
+    /// Shards each kind's queue is spread over (TERN_QUEUE_SHARDS of the API and workers).
+    #[arg(long, default_value_t = 1)]
+    queue_shards: u16,
 }
 
 fn jobs(n: usize) -> Vec<Value> {
@@ -85,21 +93,32 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    let quiet = [("TERN_LOG", "warn")];
+    // What the API and the workers share: the log level and where the queue is.
+    let mut shared: Vec<(String, String)> =
+        vec![("TERN_LOG".into(), "warn".into()), ("TERN_QUEUE_SHARDS".into(), args.queue_shards.to_string())];
+    if let Some(seeds) = &args.redis_cluster {
+        shared.push(("TERN_REDIS_URL".into(), seeds.clone()));
+        shared.push(("TERN_REDIS_CLUSTER".into(), "true".into()));
+    }
+    let quiet: Vec<(&str, &str)> = shared.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let quiet = quiet.as_slice();
     let worker_env = |batch: &str, conc: &str| -> Vec<(String, String)> {
-        vec![
-            ("TERN_LOG".into(), "warn".into()),
-            ("TERN_BATCH_SIZE".into(), batch.into()),
-            ("TERN_CONCURRENCY".into(), conc.into()),
-        ]
+        let mut env = shared.clone();
+        env.push(("TERN_BATCH_SIZE".into(), batch.into()));
+        env.push(("TERN_CONCURRENCY".into(), conc.into()));
+        env
     };
     let batch = args.batch_size.to_string();
     let conc = args.concurrency.to_string();
-    println!("tern-bench: {} jobs per run, worker batch {} x {} in flight", args.jobs, batch, conc);
+    let redis = match &args.redis_cluster {
+        Some(_) => format!("a Redis Cluster, {} shard(s) a kind", args.queue_shards),
+        None => format!("one Redis, {} shard(s) a kind", args.queue_shards),
+    };
+    println!("tern-bench: {} jobs per run, worker batch {} x {} in flight, {redis}", args.jobs, batch, conc);
     println!("{:>8} {:>14} {:>14} {:>14}", "workers", "submit jobs/s", "drain jobs/s", "e2e jobs/s");
     for &workers in &args.workers {
         // Drain: a backlog first, then the workers.
-        let mut cluster = Cluster::start(&quiet).await?;
+        let mut cluster = Cluster::start(quiet).await?;
         let submit_secs = bulk_submit(&cluster, args.jobs, "submitting backlog").await?;
         let start = Instant::now();
         let env = worker_env(&batch, &conc);
@@ -114,7 +133,7 @@ async fn main() -> Result<()> {
         drop(cluster);
 
         // End to end: workers running while the jobs arrive.
-        let mut cluster = Cluster::start(&quiet).await?;
+        let mut cluster = Cluster::start(quiet).await?;
         let mut procs = Vec::new();
         for _ in 0..workers {
             procs.push(cluster.spawn_worker(&env_ref)?);
@@ -140,7 +159,7 @@ async fn main() -> Result<()> {
     }
 
     // Latency of single submits, one at a time, with nothing else running.
-    let cluster = Cluster::start(&quiet).await?;
+    let cluster = Cluster::start(quiet).await?;
     let pb = progress_bar(args.latency_samples as u64, "timing single submits");
     let mut samples = Vec::with_capacity(args.latency_samples);
     for i in 0..args.latency_samples {
