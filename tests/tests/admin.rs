@@ -291,6 +291,7 @@ async fn a_drained_worker_finishes_its_batch_and_pulls_nothing_until_undrained()
     assert!(w["memory"]["budget_bytes"].as_u64().unwrap() > 0, "{system}");
     assert!(w["optimisations"].as_array().unwrap().iter().any(|o| o.as_str().unwrap().contains("whisper")), "{system}");
     assert_eq!(system["queue"]["queued"], 0, "{system}");
+    assert_eq!(system["redis"], json!({"cluster": false, "shards": 1}), "{system}");
 }
 
 /// Issue 20, item 10: the reconciler, which sets the Redis pause flags to what Postgres

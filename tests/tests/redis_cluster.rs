@@ -124,6 +124,9 @@ async fn jobs_spread_over_shards_on_three_primaries_all_run_through_a_primary_fa
     let worker_env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let _w1 = cluster.spawn_worker(&worker_env).unwrap();
     let _w2 = cluster.spawn_worker(&worker_env).unwrap();
+    let (status, system) = cluster.get("/v1/admin/system").await.unwrap();
+    assert_eq!(status, 200, "{system}");
+    assert_eq!(system["redis"], json!({"cluster": true, "shards": SHARDS}), "{system}");
 
     // Half the jobs before the failover; every shard holds some of them.
     let mut ids = cluster.submit_all(&echo_jobs(0, 300)).await.unwrap();

@@ -730,6 +730,16 @@ pub struct SystemView {
     pub workers: Vec<LiveWorker>,
     /// Totals over every kind.
     pub queue: QueueTotals,
+    pub redis: RedisView,
+}
+
+/// Where the queue lives.
+#[derive(Serialize, ToSchema)]
+pub struct RedisView {
+    /// On a Redis Cluster (`TERN_REDIS_CLUSTER`).
+    pub cluster: bool,
+    /// Shards each kind's queue is spread over (`TERN_QUEUE_SHARDS`, default 1).
+    pub shards: u16,
 }
 
 /// A live worker's memory pressure, models and optimisations. Fields the worker has not

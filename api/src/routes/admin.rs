@@ -503,7 +503,7 @@ fn memory_state(used: f64, budget: f64) -> &'static str {
 /// (`low`/`moderate`/`high`/`critical`: resident models against the memory budget), models
 /// cached, how its batches are sized (budgets from measured memory, batches split for want
 /// of memory, the model thread's busy seconds) and the optimisations in effect; queue totals
-/// over all kinds.
+/// over all kinds; whether the queue is on a Redis Cluster and over how many shards.
 #[utoipa::path(
     get,
     path = "/v1/admin/system",
@@ -541,6 +541,7 @@ pub async fn system(State(state): State<AppState>, caller: Caller) -> Result<Jso
             "retrying": total(|c| c.retrying), "failed": total(|c| c.failed),
             "succeeded_last_1m": stats.iter().map(|s| s.succeeded.last_1m).sum::<i64>(),
         },
+        "redis": { "cluster": state.queue.is_cluster(), "shards": state.queue.settings.shards },
     })))
 }
 
