@@ -237,18 +237,24 @@ ensure_redis() {
 
 # A local Redis Cluster for the cluster tests (issue 22): three primaries, each with a replica,
 # on 127.0.0.1 ports 7000-7005, data and logs in $STATE_DIR/redis-cluster/PORT. Started once;
-# a cluster that answers `cluster info` with cluster_state:ok is left as it is.
+# stopped nodes are started again, and the command returns once the cluster is ready for a
+# failover (cluster_ok).
 readonly CLUSTER_PORTS=(7000 7001 7002 7003 7004 7005)
 readonly CLUSTER_DIR="$STATE_DIR/redis-cluster"
 
+# Ready for a failover: every node sees the cluster ok, and each of the three primaries has a
+# replica whose link is up. A replica that never finished its first sync cannot take over (its
+# data counts as too old), so a primary killed before that leaves its slots without a primary.
 cluster_ok() {
-  local port
+  local port synced=0 info
   for port in "${CLUSTER_PORTS[@]}"; do
-    if redis-cli -h 127.0.0.1 -p "$port" cluster info 2>/dev/null | grep -q '^cluster_state:ok'; then
-      return 0
+    redis-cli -h 127.0.0.1 -p "$port" cluster info 2>/dev/null | grep -q '^cluster_state:ok' || return 1
+    info="$(redis-cli -h 127.0.0.1 -p "$port" info replication 2>/dev/null)" || return 1
+    if grep -q '^role:slave' <<<"$info" && grep -q '^master_link_status:up' <<<"$info"; then
+      synced=$((synced + 1))
     fi
   done
-  return 1
+  ((synced == 3))
 }
 
 # Whether node PORT knows no other node (it was never part of a cluster).
@@ -279,7 +285,7 @@ ensure_redis_cluster() {
     redis-cli --cluster create "${nodes[@]}" --cluster-replicas 1 --cluster-yes >"$CLUSTER_DIR/create.log" 2>&1 ||
       die "redis-cli --cluster create failed (log: $CLUSTER_DIR/create.log)"
   fi
-  wait_for 30 cluster_ok ||
+  wait_for 60 cluster_ok ||
     die "the Redis Cluster on ports ${CLUSTER_PORTS[0]}-${CLUSTER_PORTS[-1]} is not ok; to start over, stop those redis-servers and remove $CLUSTER_DIR"
 }
 
