@@ -7,6 +7,7 @@ mod extract;
 mod middleware;
 mod openai;
 mod openapi;
+mod output_links;
 mod routes;
 mod state;
 mod submission;
@@ -68,6 +69,10 @@ struct ServeArgs {
     /// Address to listen on.
     #[arg(long, env = "TERN_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
+    /// Where clients reach this API (scheme, host, port), for the signed links to outputs kept
+    /// in Postgres. Default: `http://` and the listen address (127.0.0.1 for an unspecified one).
+    #[arg(long, env = "TERN_PUBLIC_URL")]
+    public_url: Option<String>,
     /// Jobs of one kind that may wait before submissions get 503 `queue_full`.
     #[arg(long, env = "TERN_MAX_QUEUED", default_value_t = 1_000_000)]
     max_queued: u64,
@@ -177,6 +182,18 @@ async fn main() -> anyhow::Result<()> {
         tokio::spawn(reconciler.run(Duration::from_millis(args.reconcile_interval_ms), stop_rx.clone()));
 
     let keys = tern_jobs::api_keys::ApiKeys { pool: store.pool().clone() };
+    let public_url = args.public_url.clone().unwrap_or_else(|| {
+        let mut at = args.listen;
+        if at.ip().is_unspecified() {
+            at.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        format!("http://{at}")
+    });
+    let output_links = output_links::OutputLinks::new(
+        &args.services.s3.s3_secret_key,
+        &public_url,
+        Duration::from_secs(args.services.s3.presign_ttl_secs),
+    );
     let state = AppState(Arc::new(Inner {
         store,
         queue,
@@ -194,6 +211,7 @@ async fn main() -> anyhow::Result<()> {
             max_queued_per_tenant: args.max_queued_per_tenant,
         },
         keys,
+        output_links,
         webhooks_enabled: args.webhook_secrets.is_some(),
         allow_private_urls: args.services.allow_private_urls,
     }));

@@ -371,6 +371,7 @@ mod tests {
         ("post", "/v1/jobs"),
         ("post", "/v1/jobs/batch"),
         ("get", "/v1/jobs/{id}"),
+        ("get", "/outputs/{id}"),
         ("get", "/v1/jobs/{id}/events"),
         ("get", "/v1/jobs/{id}/stream"),
         ("get", "/v1/jobs"),

@@ -11,6 +11,8 @@ pub struct Inner {
     pub queue: Queue,
     pub objects: ObjectStore,
     pub keys: ApiKeys,
+    /// Signs `output.url` for outputs kept in Postgres.
+    pub output_links: crate::output_links::OutputLinks,
     pub limits: Limits,
     /// Whether webhook secrets are configured: jobs may name a webhook only then.
     pub webhooks_enabled: bool,

@@ -88,10 +88,17 @@ impl Failure {
     }
 }
 
-/// Where a succeeded job's output lies in object storage.
+/// A succeeded job's output: where it lies, its size and digest.
+///
+/// An output of at most [`OUTPUT_IN_POSTGRES_MAX_BYTES_DEFAULT`] bytes (the worker's
+/// `TERN_OUTPUT_IN_POSTGRES_MAX_BYTES`) without other renderings lives in Postgres, in the job's
+/// row, and has no `key`; a larger one is an S3 object under `key`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobOutput {
-    pub key: String,
+    /// The S3 object's key (under the deployment's prefix); `None` when the output lives in
+    /// Postgres.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
     pub size: i64,
     /// Hex SHA-256 of the object's bytes.
     pub sha256: String,
@@ -103,7 +110,33 @@ pub struct JobOutput {
     /// inlines results (embeddings, generation): clients then need no second request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inline: Option<Value>,
+    /// The output's bytes, when they are to live in Postgres (`key` is `None`): set by the
+    /// worker for [`crate::Store::settle`], never serialised; read them back with
+    /// [`crate::Store::output_body`].
+    #[serde(skip)]
+    pub body: Option<bytes::Bytes>,
 }
+
+impl JobOutput {
+    /// An output that lives in Postgres: its bytes, described.
+    pub fn in_postgres(body: bytes::Bytes, content_type: &str) -> JobOutput {
+        use sha2::{Digest, Sha256};
+        JobOutput {
+            key: None,
+            size: body.len() as i64,
+            sha256: hex::encode(Sha256::digest(&body)),
+            content_type: content_type.to_string(),
+            formats: BTreeMap::new(),
+            inline: None,
+            body: Some(body),
+        }
+    }
+}
+
+/// Default largest output kept in Postgres instead of S3: 16 KiB. Below this an S3 PUT (a round
+/// trip and an object's metadata on the store) costs far more than the bytes in the job's row;
+/// see docs/design.md, "Where outputs live".
+pub const OUTPUT_IN_POSTGRES_MAX_BYTES_DEFAULT: usize = 16 * 1024;
 
 /// Largest output (bytes of JSON) copied into the job record as [`JobOutput::inline`]: 64 KiB.
 pub const INLINE_OUTPUT_MAX_BYTES: usize = 64 * 1024;

@@ -118,12 +118,13 @@ impl ObjectStore {
             .await
             .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
         Ok(JobOutput {
-            key: key.to_string(),
+            key: Some(key.to_string()),
             size,
             sha256,
             content_type: content_type.to_string(),
             formats: Default::default(),
             inline: None,
+            body: None,
         })
     }
 
@@ -318,12 +319,13 @@ impl ObjectWriter {
             .await
             .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
         Ok(JobOutput {
-            key: self.key.clone(),
+            key: Some(self.key.clone()),
             size: self.size,
             sha256: hex::encode(self.sha256.clone().finalize()),
             content_type: self.content_type.clone(),
             formats: Default::default(),
             inline: None,
+            body: None,
         })
     }
 }

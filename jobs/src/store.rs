@@ -225,6 +225,18 @@ impl Store {
         row.as_ref().map(job_from_row).transpose()
     }
 
+    /// Job `id`'s output when it lives in Postgres (see [`JobOutput::key`]): its content type
+    /// and bytes; `None` for a job that has none there.
+    pub async fn output_body(&self, id: Uuid) -> Result<Option<(String, Vec<u8>)>> {
+        let row: Option<(Option<String>, Option<Vec<u8>>)> = sqlx::query_as(
+            "SELECT output->>'content_type', output_body FROM jobs WHERE id = $1 AND state = 'succeeded'",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.and_then(|(content_type, body)| Some((content_type.unwrap_or_default(), body?))))
+    }
+
     /// The jobs of `ids` that exist, in no particular order.
     pub async fn get_many(&self, ids: &[Uuid]) -> Result<Vec<Job>> {
         let sql = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ANY($1)");
@@ -410,6 +422,7 @@ impl Store {
         let mut states = Vec::with_capacity(n);
         let mut outputs: Vec<Option<String>> = Vec::with_capacity(n);
         let mut errors: Vec<Option<String>> = Vec::with_capacity(n);
+        let mut bodies: Vec<Option<&[u8]>> = Vec::with_capacity(n);
         for s in settlements {
             ids.push(s.id);
             tokens.push(s.token);
@@ -425,19 +438,23 @@ impl Store {
                 Outcome::Released => (JobState::Queued, None, None),
             };
             states.push(state.as_str());
+            bodies.push(match &s.outcome {
+                Outcome::Succeeded(out) => out.body.as_deref(),
+                _ => None,
+            });
             outputs.push(output);
             errors.push(error);
         }
         let rows = sqlx::query(
             "WITH b AS (
-                SELECT u.id, u.token, u.output, u.error,
+                SELECT u.id, u.token, u.output, u.error, u.body,
                        CASE WHEN u.state IN ('retrying', 'queued') AND j.cancel_requested
                                  THEN 'canceled'
                             WHEN u.state = 'retrying' AND j.attempts >= j.max_attempts
                                  THEN 'failed'
                             ELSE u.state END AS state
-                FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[])
-                     AS u(id, token, state, output, error)
+                FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[], $8::bytea[])
+                     AS u(id, token, state, output, error, body)
                 JOIN jobs j ON j.id = u.id
                 -- Locked, so the cancel_requested read is the latest: a cancel that commits
                 -- while this statement runs is seen, not overwritten by a retry. In id order,
@@ -453,6 +470,7 @@ impl Store {
                                        THEN now() END,
                     run_at = CASE WHEN b.state = 'retrying' THEN tern_retry_at(j.attempts, $6, $7) END,
                     output = b.output::jsonb,
+                    output_body = b.body,
                     error = CASE WHEN b.state = 'queued' THEN j.error ELSE b.error::jsonb END
                 FROM b
                 WHERE j.id = b.id AND j.lease_token = b.token AND j.state = 'running'
@@ -471,6 +489,7 @@ impl Store {
         .bind(&errors)
         .bind(policy.base.as_millis() as i64)
         .bind(policy.cap.as_millis() as i64)
+        .bind(&bodies)
         .fetch_all(&self.pool)
         .await?;
         rows.iter()

@@ -6,28 +6,44 @@ use std::time::Duration;
 use tern_e2e::Cluster;
 use uuid::Uuid;
 
+/// Every third job's output is over the workers' 300-byte limit for outputs kept in Postgres,
+/// so it is an S3 object; the others live in the job's row.
 #[tokio::test]
 async fn a_thousand_echo_jobs_of_mixed_priority_all_succeed_with_outputs_matching_their_sha256() {
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let priorities = ["urgent", "high", "normal", "low"];
-    let jobs: Vec<Value> = (0..1000)
-        .map(|i| json!({"kind": "echo", "priority": priorities[i % 4], "input": {"message": format!("job {i}")}}))
-        .collect();
+    let message = |i: usize| if i % 3 == 0 { format!("job {i} {}", "x".repeat(300)) } else { format!("job {i}") };
+    let jobs: Vec<Value> =
+        (0..1000).map(|i| json!({"kind": "echo", "priority": priorities[i % 4], "input": {"message": message(i)}})).collect();
     let ids = cluster.submit_all(&jobs).await.unwrap();
     assert_eq!(ids.len(), 1000);
-    let _w1 = cluster.spawn_worker(&[]).unwrap();
-    let _w2 = cluster.spawn_worker(&[]).unwrap();
+    let limit = [("TERN_OUTPUT_IN_POSTGRES_MAX_BYTES", "300")];
+    let _w1 = cluster.spawn_worker(&limit).unwrap();
+    let _w2 = cluster.spawn_worker(&limit).unwrap();
     let counts = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
     assert_eq!(counts.get("succeeded"), Some(&1000), "{counts:?}");
 
-    // Every output object holds what Postgres says it holds.
-    let rows: Vec<(Uuid, Value, Value)> =
-        sqlx::query_as("SELECT id, input, output FROM jobs WHERE id = ANY($1)").bind(&ids).fetch_all(&cluster.pg).await.unwrap();
-    let checks = rows.iter().map(|(id, input, output)| {
+    // Every output, object or row, holds what Postgres says it holds.
+    let rows: Vec<(Uuid, Value, Value, Option<Vec<u8>>)> =
+        sqlx::query_as("SELECT id, input, output, output_body FROM jobs WHERE id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(&cluster.pg)
+            .await
+            .unwrap();
+    let checks = rows.iter().map(|(id, input, output, in_row)| {
         let objects = cluster.objects.clone();
         async move {
-            let key = output["key"].as_str().unwrap();
-            let body = objects.get(key, 1 << 20).await.unwrap();
+            let long = input["message"].as_str().unwrap().len() > 300;
+            let body = match output["key"].as_str() {
+                Some(key) => {
+                    assert!(long && in_row.is_none(), "job {id}: only outputs over the limit go to S3");
+                    objects.get(key, 1 << 20).await.unwrap().to_vec()
+                }
+                None => {
+                    assert!(!long, "job {id}: an output over the limit stayed in Postgres");
+                    in_row.clone().unwrap_or_else(|| panic!("job {id}: an output without key or row bytes"))
+                }
+            };
             assert_eq!(hex::encode(Sha256::digest(&body)), output["sha256"].as_str().unwrap(), "job {id}");
             assert_eq!(body.len() as i64, output["size"].as_i64().unwrap());
             let echoed: Value = serde_json::from_slice(&body).unwrap();
@@ -47,13 +63,28 @@ async fn a_thousand_echo_jobs_of_mixed_priority_all_succeed_with_outputs_matchin
     .unwrap();
     assert_eq!(multi, 0);
 
-    // The presigned URL on GET downloads the output.
-    let (status, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
-    assert_eq!(status, 200);
-    assert_eq!(job["state"], "succeeded");
-    let url = job["output"]["url"].as_str().unwrap();
-    let body = reqwest::get(url).await.unwrap().bytes().await.unwrap();
-    assert_eq!(hex::encode(Sha256::digest(&body)), job["output"]["sha256"].as_str().unwrap());
+    // The URL on GET downloads the output without a key, wherever it lives: a presigned S3 URL
+    // (job 0) or a signed link to the row (job 1), which is refused once tampered with.
+    for (i, in_s3) in [(0, true), (1, false)] {
+        let (status, job) = cluster.get(&format!("/v1/jobs/{}", ids[i])).await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(job["state"], "succeeded");
+        assert_eq!(job["output"].get("key").is_some(), in_s3, "{job}");
+        let url = job["output"]["url"].as_str().unwrap();
+        let response = reqwest::get(url).await.unwrap();
+        assert_eq!(response.status(), 200, "{url}");
+        assert_eq!(response.headers()["content-type"], "application/json");
+        let body = response.bytes().await.unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&body)), job["output"]["sha256"].as_str().unwrap());
+        if !in_s3 {
+            assert!(url.starts_with(&format!("{}/outputs/{}?", cluster.url(""), ids[i])), "{url}");
+            let other = url.replace(&ids[i].to_string(), &ids[2].to_string());
+            let refused = reqwest::get(&other).await.unwrap();
+            assert_eq!(refused.status(), 403);
+            let error: Value = refused.json().await.unwrap();
+            assert_eq!(error["error"]["code"], "invalid_signature", "{error}");
+        }
+    }
 }
 
 #[tokio::test]

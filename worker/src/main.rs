@@ -98,6 +98,10 @@ struct Cli {
     /// Most output uploads in flight at once.
     #[arg(long, env = "TERN_UPLOAD_CONCURRENCY", default_value_t = 64)]
     upload_concurrency: usize,
+    /// Largest output (bytes) kept in Postgres, in the job's row, instead of an S3 object: one
+    /// with other renderings (subtitles) always goes to S3. 0: every output to S3.
+    #[arg(long, env = "TERN_OUTPUT_IN_POSTGRES_MAX_BYTES", default_value_t = tern_jobs::job::OUTPUT_IN_POSTGRES_MAX_BYTES_DEFAULT)]
+    output_in_postgres_max_bytes: usize,
     /// Largest input file (bytes) a job may bring by URL or upload.
     #[arg(long, env = "TERN_MAX_FILE_BYTES", default_value_t = 512 * 1024 * 1024)]
     max_file_bytes: u64,
@@ -274,6 +278,7 @@ async fn run() -> anyhow::Result<()> {
             retry: cli.services.queue.retry_policy(),
             max_audio_seconds: cli.services.max_audio_seconds,
             whisper_padding: cli.whisper_padding,
+            output_in_postgres_max_bytes: cli.output_in_postgres_max_bytes,
         },
         store,
         queue,

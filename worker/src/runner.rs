@@ -15,7 +15,7 @@ use tern_jobs::queue::{Lease, SettleAction};
 use std::collections::{HashMap, HashSet};
 use tern_jobs::store::{Outcome, Settled, Settlement};
 use uuid::Uuid;
-use tern_jobs::{Failure, Job, JobKind, JobState, ObjectStore, Queue, RetryPolicy, Store};
+use tern_jobs::{Failure, Job, JobKind, JobOutput, JobState, ObjectStore, Queue, RetryPolicy, Store};
 use tokio::sync::{watch, Notify, Semaphore};
 
 /// First wait before recording a batch's outcomes again after Postgres failed; it doubles up
@@ -51,6 +51,8 @@ pub struct RunnerSettings {
     pub max_audio_seconds: f64,
     /// How much of a short Whisper window's padding the encoder runs.
     pub whisper_padding: tern_models::whisper::Padding,
+    /// Largest output kept in Postgres instead of S3 (0: none).
+    pub output_in_postgres_max_bytes: usize,
 }
 
 pub struct Runner {
@@ -275,6 +277,13 @@ impl Runner {
                 let inline = (inline && body.len() < tern_jobs::job::INLINE_OUTPUT_MAX_BYTES && !body.windows(6).any(|w| w == b"\\u0000"))
                     .then(|| serde_json::from_slice(&body).ok())
                     .flatten();
+                // A small output stays in the job's row: an S3 PUT per job would cost more than
+                // everything else the job does.
+                if extras.is_empty() && body.len() <= self.settings.output_in_postgres_max_bytes {
+                    let mut output = JobOutput::in_postgres(body, content_type);
+                    output.inline = inline;
+                    return Some(Outcome::Succeeded(output));
+                }
                 // The key carries the lease token: a stale attempt can never overwrite the
                 // objects a newer attempt recorded.
                 let stem = format!("outputs/{}.{}", job.id, job.lease_token.unwrap_or_default());

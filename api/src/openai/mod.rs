@@ -239,7 +239,10 @@ pub async fn job_output(state: &AppState, job: &Job) -> Result<Value, OpenAiErro
     if let Some(inline) = &output.inline {
         return Ok(inline.clone());
     }
-    let bytes = state.objects.get(&output.key, output.size.max(0) as u64).await.map_err(ApiError::from)?;
+    let bytes = match &output.key {
+        Some(key) => state.objects.get(key, output.size.max(0) as u64).await.map_err(ApiError::from)?.to_vec(),
+        None => state.store.output_body(job.id).await.map_err(ApiError::from)?.ok_or_else(|| internal("the job's output is not in Postgres".into()))?.1,
+    };
     Ok(serde_json::from_slice(&bytes).map_err(|e| internal(format!("the job's output is not JSON: {e}")))?)
 }
 

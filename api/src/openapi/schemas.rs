@@ -227,18 +227,21 @@ pub struct Failure {
     pub message: String,
 }
 
-/// Where a succeeded job's output lies in object storage.
+/// A succeeded job's output: where to download it, its size and digest.
 #[derive(Serialize, ToSchema)]
 pub struct JobOutput {
-    /// Object key, relative to the server's storage prefix.
-    pub key: String,
+    /// S3 object key, relative to the server's storage prefix; absent when the output (at most
+    /// 16 KiB by default, `TERN_OUTPUT_IN_POSTGRES_MAX_BYTES`) is kept in Postgres.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
     /// Bytes.
     pub size: i64,
     /// Hex SHA-256 of the bytes.
     pub sha256: String,
     pub content_type: String,
-    /// Presigned GET URL of the output (JSON: EchoOutput, TranscribeOutput, EmbedOutput or
-    /// GenerateOutput); it expires.
+    /// GET URL of the output that needs no key (JSON: EchoOutput, TranscribeOutput, EmbedOutput
+    /// or GenerateOutput): presigned S3, or a signed `/outputs/{id}` link for an output kept in
+    /// Postgres; it expires (`TERN_PRESIGN_TTL_SECS`, 1 h by default).
     pub url: String,
     /// Other renderings of the same result by format name (`srt`, `vtt` for transcriptions);
     /// absent when there are none.

@@ -54,7 +54,10 @@ pub async fn job_view(state: &AppState, job: &Job, with_position: bool) -> Resul
         }
     }
     if let Some(output) = &job.output {
-        v["output"]["url"] = json!(state.objects.presign_get(&output.key).await?);
+        v["output"]["url"] = json!(match &output.key {
+            Some(key) => state.objects.presign_get(key).await?,
+            None => state.output_links.url(job.id),
+        });
         for (format, file) in &output.formats {
             v["output"]["formats"][format]["url"] = json!(state.objects.presign_get(&file.key).await?);
         }

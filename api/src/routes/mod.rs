@@ -13,6 +13,7 @@ pub mod job_stream;
 pub mod jobs;
 pub mod metrics;
 pub mod models;
+pub mod outputs;
 pub mod tenants;
 pub mod uploads;
 
@@ -42,6 +43,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(jobs::cancel))
         .routes(routes!(jobs::deliveries))
         .routes(routes!(jobs::replay))
+        .routes(routes!(outputs::download))
         .routes(routes!(uploads::create))
         .routes(routes!(endpoints::create, endpoints::list))
         .routes(routes!(endpoints::delete))

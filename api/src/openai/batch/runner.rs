@@ -539,7 +539,8 @@ impl Runner {
 
     fn file_record(&self, batch: &Batch, stored: &tern_jobs::JobOutput, which: &str) -> FileRecord {
         let mut record = FileRecord::new(&batch.tenant, "batch_output", &format!("{}_{which}.jsonl", batch.id));
-        record.object_key = stored.key.clone();
+        // Batch files are always written to S3, so they have a key.
+        record.object_key = stored.key.clone().unwrap_or_default();
         record.bytes = stored.size;
         record
     }
