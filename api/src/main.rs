@@ -177,6 +177,7 @@ async fn main() -> anyhow::Result<()> {
         queue: queue.clone(),
         grace: Duration::from_millis(args.reconcile_grace_ms),
         owner,
+        cursor: Default::default(),
     };
     let reconciler_task =
         tokio::spawn(reconciler.run(Duration::from_millis(args.reconcile_interval_ms), stop_rx.clone()));

@@ -12,6 +12,9 @@
 //! While they are all present, jobs whose state changed within the last `grace` are skipped
 //! (the API may be about to enqueue them); when one is missing, every unfinished job is checked
 //! at once and the markers are set afterwards.
+//! A routine round checks at most [`ROUTINE_PAGES_PER_ROUND`] pages and the next round goes
+//! on from there, so its cost does not grow with the backlog; a job Redis lost without a data
+//! loss (a process died between its commit and its Redis call) is found within a pass.
 //! With several API replicas, a Redis lock lets one of them sweep per round.
 //!
 //! Each round also sets the Redis pause flags to the paused kinds Postgres records, the cancel
@@ -30,6 +33,10 @@ pub const RECONCILE_INTERVAL_DEFAULT: Duration = Duration::from_secs(5);
 /// How long a job's state must have stood before a routine sweep restores it. Default 30 s.
 pub const RECONCILE_GRACE_DEFAULT: Duration = Duration::from_secs(30);
 const PAGE: i64 = 1000;
+/// Most pages a routine round walks (5,000 jobs): the walk goes on from there next round, so a
+/// backlog of a million jobs costs each round the same as one of a thousand. A round after a
+/// data loss walks everything at once.
+pub const ROUTINE_PAGES_PER_ROUND: usize = 5;
 
 #[derive(Clone)]
 pub struct Reconciler {
@@ -38,6 +45,8 @@ pub struct Reconciler {
     pub grace: Duration,
     /// Identifies this process in the sweep lock.
     pub owner: String,
+    /// Where the routine walk goes on (the last job id it checked); `None`: from the start.
+    pub cursor: std::sync::Arc<std::sync::Mutex<Option<Uuid>>>,
 }
 
 impl Reconciler {
@@ -57,11 +66,24 @@ impl Reconciler {
         }
         let settled_before =
             (!data_lost).then(|| Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or_default());
-        let mut after: Option<Uuid> = None;
+        // After a data loss every unfinished job is checked now; a routine round goes on where
+        // the last one stopped, a bounded number of pages.
+        let (mut after, max_pages) = match data_lost {
+            true => (None, usize::MAX),
+            false => (*self.cursor.lock().expect("never poisoned"), ROUTINE_PAGES_PER_ROUND),
+        };
         let mut restored = 0;
+        let mut pages = 0;
         loop {
+            if pages == max_pages {
+                break;
+            }
+            pages += 1;
             let page = self.store.active_page(after, settled_before, PAGE).await?;
-            let Some(last) = page.last() else { break };
+            let Some(last) = page.last() else {
+                after = None;
+                break;
+            };
             after = Some(last.id);
             let mut by_kind: HashMap<JobKind, Vec<(Enqueue, Option<i64>)>> = HashMap::new();
             for job in &page {
@@ -75,9 +97,11 @@ impl Reconciler {
                 restored += self.queue.restore(kind, &jobs).await?;
             }
             if (page.len() as i64) < PAGE {
+                after = None;
                 break;
             }
         }
+        *self.cursor.lock().expect("never poisoned") = after;
         if epoch.is_none() {
             self.queue.set_epoch(&Uuid::now_v7().to_string()).await?;
         }

@@ -123,6 +123,51 @@ async fn after_redis_flushall_the_reconciler_restores_500_queued_jobs_and_each_r
     assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
 }
 
+/// Routine sweeps (no data loss) check a bounded number of jobs each and go on from there, so
+/// their cost does not grow with the backlog, and still find every job Redis does not hold.
+#[tokio::test]
+async fn routine_sweeps_walk_a_large_backlog_in_bounded_rounds_and_restore_all_of_it() {
+    // The API's own reconciler sweeps once at its start and not again during the test.
+    let cluster = Cluster::start(&[("TERN_RECONCILE_INTERVAL_MS", "3600000")]).await.unwrap();
+    let n = 12_000;
+    let jobs: Vec<Value> = (0..n).map(|i| json!({"kind": "echo", "input": {"message": i}})).collect();
+    let mut ids = Vec::new();
+    for chunk in jobs.chunks(1000) {
+        ids.extend(cluster.submit_all(chunk).await.unwrap());
+    }
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), n as u64);
+
+    // Redis loses the kind's queue but not its markers: no data loss is seen, as when
+    // processes died between their commits and their Redis calls.
+    let mut redis = cluster.redis().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}:{{echo}}*", cluster.redis_prefix)).query_async(&mut redis).await.unwrap();
+    let lost: Vec<&String> = keys.iter().filter(|k| !k.ends_with(":restored")).collect();
+    assert!(!lost.is_empty() && lost.len() < keys.len(), "{keys:?}");
+    let _: () = redis::cmd("DEL").arg(&lost).query_async(&mut redis).await.unwrap();
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 0);
+
+    let reconciler = tern_jobs::reconciler::Reconciler {
+        store: Store::connect(&cluster.database_url, 2).await.unwrap(),
+        queue: tern_jobs::Queue::connect(&tern_e2e::redis_url(), &cluster.redis_prefix, 2, Default::default()).unwrap(),
+        grace: Duration::ZERO,
+        owner: "test".into(),
+        cursor: Default::default(),
+    };
+    let per_round = tern_jobs::reconciler::ROUTINE_PAGES_PER_ROUND as u64 * 1000;
+    let mut rounds = Vec::new();
+    loop {
+        let restored = reconciler.run_once().await.unwrap();
+        rounds.push(restored);
+        if restored == 0 {
+            break;
+        }
+        assert!(restored <= per_round, "one round restored {restored}: {rounds:?}");
+        assert!(rounds.len() < 10, "{rounds:?}");
+    }
+    assert_eq!(rounds, [5000, 5000, 2000, 0]);
+    assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), n as u64);
+}
+
 #[tokio::test]
 async fn sigterm_lets_a_worker_finish_its_batch_within_the_grace_period() {
     let mut cluster = Cluster::start(&[]).await.unwrap();

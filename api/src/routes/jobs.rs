@@ -58,8 +58,11 @@ pub async fn job_view(state: &AppState, job: &Job, with_position: bool) -> Resul
             Some(key) => state.objects.presign_get(key).await?,
             None => state.output_links.url(job.id),
         });
+        // Renderings are always S3 objects.
         for (format, file) in &output.formats {
-            v["output"]["formats"][format]["url"] = json!(state.objects.presign_get(&file.key).await?);
+            if let Some(key) = &file.key {
+                v["output"]["formats"][format]["url"] = json!(state.objects.presign_get(key).await?);
+            }
         }
     }
     Ok(v)
