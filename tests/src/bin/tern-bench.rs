@@ -64,6 +64,26 @@ async fn bulk_submit(cluster: &Cluster, n: usize, what: &str) -> Result<f64> {
     Ok(start.elapsed().as_secs_f64())
 }
 
+/// What stands in for autovacuum while a run lasts, where the server has it off (this
+/// machine's Postgres does: `autovacuum = off` in its configuration): `VACUUM (ANALYZE)` of
+/// the queue's tables every 20 s, as autovacuum would run on any production server. Without
+/// it, a run of a million jobs slows to a few hundred jobs/s on dead tuples and stale plans.
+async fn vacuum_stand_in(cluster: &Cluster) -> Result<Option<tokio::task::JoinHandle<()>>> {
+    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum").fetch_one(&cluster.pg).await?;
+    if autovacuum == "on" {
+        return Ok(None);
+    }
+    let pg = cluster.pg.clone();
+    Ok(Some(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            if let Err(e) = sqlx::query("VACUUM (ANALYZE) jobs, job_events").execute(&pg).await {
+                eprintln!("tern-bench: VACUUM failed: {e}");
+            }
+        }
+    })))
+}
+
 async fn succeeded(cluster: &Cluster) -> Result<i64> {
     Ok(sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'").fetch_one(&cluster.pg).await?)
 }
@@ -119,6 +139,7 @@ async fn main() -> Result<()> {
     for &workers in &args.workers {
         // Drain: a backlog first, then the workers.
         let mut cluster = Cluster::start(quiet).await?;
+        let vacuum = vacuum_stand_in(&cluster).await?;
         let submit_secs = bulk_submit(&cluster, args.jobs, "submitting backlog").await?;
         let start = Instant::now();
         let env = worker_env(&batch, &conc);
@@ -129,11 +150,13 @@ async fn main() -> Result<()> {
         }
         wait_all_succeeded(&cluster, args.jobs, "draining backlog").await?;
         let drain_secs = start.elapsed().as_secs_f64();
+        vacuum.inspect(|v| v.abort());
         drop(procs);
         drop(cluster);
 
         // End to end: workers running while the jobs arrive.
         let mut cluster = Cluster::start(quiet).await?;
+        let vacuum = vacuum_stand_in(&cluster).await?;
         let mut procs = Vec::new();
         for _ in 0..workers {
             procs.push(cluster.spawn_worker(&env_ref)?);
@@ -147,6 +170,7 @@ async fn main() -> Result<()> {
         submitted?;
         waited?;
         let e2e_secs = start.elapsed().as_secs_f64();
+        vacuum.inspect(|v| v.abort());
         drop(procs);
         drop(cluster);
         println!(
