@@ -104,7 +104,7 @@ async fn after_redis_flushall_the_reconciler_restores_500_queued_jobs_and_each_r
     assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 500);
 
     let mut redis = cluster.redis().await.unwrap();
-    let _: () = redis::cmd("FLUSHALL").query_async(&mut redis).await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").arg("ASYNC").query_async(&mut redis).await.unwrap();
     assert_eq!(cluster.queue_len("echo", "ready").await.unwrap(), 0);
 
     let _w1 = cluster.spawn_worker(&[]).unwrap();

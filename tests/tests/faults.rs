@@ -213,7 +213,7 @@ async fn thousands_of_jobs_survive_killed_workers_and_every_backing_service_fail
                 match fault {
                     "redis flushall" => {
                         let mut c = redis.connection().await.unwrap();
-                        let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+                        let _: () = redis::cmd("FLUSHALL").arg("ASYNC").query_async(&mut c).await.unwrap();
                     }
                     "redis killed" => {
                         redis.kill9();

@@ -201,6 +201,9 @@ async fn read(mut form: Multipart, task: &'static str) -> Result<(Transcription,
     };
     let mut request = Transcription::new(task);
     let mut file = None;
+    // The whole form is read before a bad option is refused: answering with the upload still
+    // unread makes the server close the connection, which a client may be reusing already.
+    let mut refused = None;
     while let Some(field) = form.next_field().await.map_err(bad_form)? {
         let name = field.name().unwrap_or_default().to_string();
         if name == "file" {
@@ -208,7 +211,12 @@ async fn read(mut form: Multipart, task: &'static str) -> Result<(Transcription,
             continue;
         }
         let value = field.text().await.map_err(bad_form)?;
-        request.set(&name, value)?;
+        if let (Err(e), None) = (request.set(&name, value), &refused) {
+            refused = Some(e);
+        }
+    }
+    if let Some(e) = refused {
+        return Err(e);
     }
     let file = file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))?;
     Ok((request.check()?, file))
