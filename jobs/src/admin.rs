@@ -207,7 +207,9 @@ impl Store {
     pub async fn delete_finished(&self, id: Uuid) -> Result<Option<bool>> {
         let row = sqlx::query(
             "WITH target AS (SELECT id, state FROM jobs WHERE id = $1),
-                  gone AS (DELETE FROM jobs WHERE id = $1 AND state IN ('succeeded', 'failed', 'canceled') RETURNING id)
+                  gone AS (DELETE FROM jobs WHERE id = $1 AND state IN ('succeeded', 'failed', 'canceled') RETURNING id),
+                  -- Events have no foreign key to cascade along (migration 0014).
+                  gone_events AS (DELETE FROM job_events WHERE job_id IN (SELECT id FROM gone))
              SELECT (SELECT count(*) FROM target) AS found, (SELECT count(*) FROM gone) AS deleted",
         )
         .bind(id)
