@@ -4,10 +4,11 @@
 //! `failed` (`lease_expired`) after its last attempt. A job that merely ran long but whose worker
 //! is alive keeps its lease through heartbeats, so it is never reaped; a worker that stalls past
 //! its lease may see its job run twice, but only the newest lease can record the outcome. A job
-//! whose lease expired before Postgres marked it running is put back as it was, uncharged.
+//! whose lease expired before Postgres recorded its start is charged the same way: workers
+//! record a short batch's starts with its outcomes, so the lease is all that shows it ran.
 
-use crate::queue::{Enqueue, SettleAction};
-use crate::store::{Outcome, Settlement};
+use crate::queue::SettleAction;
+use crate::store::{Outcome, Settlement, UnrecordedStart};
 use crate::{Failure, JobKind, JobState, Queue, Result, RetryPolicy, Store};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -51,10 +52,8 @@ impl Reaper {
                 token.map(|token| Settlement {
                     id: *id,
                     token,
-                    outcome: Outcome::Retry(Failure::new(
-                        "lease_expired",
-                        "the worker running this job stopped heartbeating (it died or stalled)",
-                    )),
+                    outcome: lease_expired(),
+                    unrecorded: None,
                 })
             })
             .collect();
@@ -74,30 +73,54 @@ impl Reaper {
         if !settled.is_empty() {
             tracing::warn!(kind = %kind, jobs = settled.len(), "returned jobs whose lease expired");
         }
-        // A lease whose job Postgres never marked running (its worker died between pull and
-        // start, or the start failed) settles nothing above, and the job is now in no Redis
-        // set: it goes back at once rather than waiting for the reconciler's sweep.
+        // A lease whose job Postgres never marked running: its worker died or stalled before it
+        // recorded the start (a batch records it with the outcome when it ends soon enough, or
+        // never ran it). The lease is an attempt all the same, charged now, so a job that kills
+        // its workers fails after its attempts instead of coming back for ever.
         let settled_ids: HashSet<Uuid> = settled.iter().map(|s| s.id).collect();
         let unsettled: Vec<Uuid> = expired
             .iter()
             .map(|(id, _)| *id)
             .filter(|id| !settled_ids.contains(id))
             .collect();
-        let mut restored = 0;
+        let mut charged = 0;
         if !unsettled.is_empty() {
-            let waiting: Vec<_> = self
-                .store
-                .waiting_among(&unsettled)
-                .await?
-                .into_iter()
-                .map(|job| (Enqueue::from(&job), None))
+            let expired_tokens: HashMap<Uuid, i64> =
+                expired.iter().filter_map(|(id, token)| token.map(|t| (*id, t))).collect();
+            let waiting = self.store.waiting_among(&unsettled).await?;
+            let settlements: Vec<Settlement> = waiting
+                .iter()
+                .map(|job| Settlement {
+                    id: job.id,
+                    // A lease with no token left (Redis lost it) is charged under none.
+                    token: expired_tokens.get(&job.id).copied().unwrap_or_default(),
+                    outcome: lease_expired(),
+                    unrecorded: Some(UnrecordedStart {
+                        at: None,
+                        attempts: job.attempts,
+                        lease_token: job.lease_token,
+                        worker_id: None,
+                    }),
+                })
                 .collect();
-            if !waiting.is_empty() {
-                restored = self.queue.restore(kind, &waiting).await?;
-                tracing::warn!(kind = %kind, jobs = restored, "put back jobs whose lease expired before they started");
+            let settled = self.store.settle(&settlements, self.retry).await?;
+            let actions: Vec<_> = settled
+                .iter()
+                .map(|s| {
+                    let action = match (s.state, s.run_at) {
+                        (JobState::Retrying, Some(at)) => SettleAction::At(at),
+                        _ => SettleAction::Done,
+                    };
+                    (s.id, expired_tokens.get(&s.id).copied().unwrap_or_default(), action)
+                })
+                .collect();
+            self.queue.settle(kind, &actions).await?;
+            charged = settled.len();
+            if charged > 0 {
+                tracing::warn!(kind = %kind, jobs = charged, "charged an attempt to jobs whose lease expired before their start was recorded");
             }
         }
-        Ok(settled.len() + restored as usize)
+        Ok(settled.len() + charged)
     }
 
     /// Runs every `interval` until `stop` resolves.
@@ -112,4 +135,11 @@ impl Reaper {
             }
         }
     }
+}
+
+fn lease_expired() -> Outcome {
+    Outcome::Retry(Failure::new(
+        "lease_expired",
+        "the worker running this job stopped heartbeating (it died or stalled)",
+    ))
 }

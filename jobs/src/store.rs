@@ -53,6 +53,25 @@ pub struct Settlement {
     pub id: Uuid,
     pub token: i64,
     pub outcome: Outcome,
+    /// `None`: Postgres recorded the attempt's start (the job is `running` under `token`).
+    /// `Some`: it did not (the batch ended before its start was due to be recorded, or the
+    /// reaper charges an expired lease); the start is recorded with the outcome.
+    pub unrecorded: Option<UnrecordedStart>,
+}
+
+/// An attempt whose start Postgres has not recorded: what [`Store::settle`] records it with,
+/// and the version of the job it ran, so a settle is refused when anything else changed the
+/// job's attempts or lease meanwhile (another lease ran it, or the reaper charged this one).
+#[derive(Debug, Clone)]
+pub struct UnrecordedStart {
+    /// When the attempt began, by Postgres' clock ([`Store::waiting_jobs`]); `None`: now.
+    pub at: Option<DateTime<Utc>>,
+    /// The job's attempts when it was read.
+    pub attempts: i32,
+    /// The job's lease token when it was read.
+    pub lease_token: Option<i64>,
+    /// Recorded as the job's worker; `None` keeps the one recorded before.
+    pub worker_id: Option<String>,
 }
 
 /// What [`Store::settle`] recorded for one job.
@@ -87,11 +106,12 @@ pub struct ActiveJob {
     pub cost: i32,
     pub run_at: Option<DateTime<Utc>>,
     pub lease_token: Option<i64>,
+    pub attempts: i32,
     pub tenant: String,
 }
 
 /// What the reconciler and reaper read of a job: [`ActiveJob`]'s fields.
-const ACTIVE_COLUMNS: &str = "id, kind, priority, state, cost, run_at, lease_token, tenant";
+const ACTIVE_COLUMNS: &str = "id, kind, priority, state, cost, run_at, lease_token, attempts, tenant";
 
 impl Store {
     /// Connects with at most `max_connections` pooled connections.
@@ -385,29 +405,58 @@ impl Store {
     /// that may run: those that were still waiting. A job canceled, finished or taken by another
     /// lease in the meantime is left out, and its lease should be dropped.
     pub async fn start(&self, worker_id: &str, leases: &[(Uuid, i64)]) -> Result<Vec<Job>> {
-        let (ids, tokens): (Vec<Uuid>, Vec<i64>) = leases.iter().copied().unzip();
+        self.start_at(worker_id, leases, None).await
+    }
+
+    /// [`Store::start`], for attempts that began at `began` (Postgres' clock, from
+    /// [`Store::waiting_jobs`]) and are recorded later: `started_at` and the `running` event
+    /// carry that time. `None`: now.
+    pub async fn start_at(&self, worker_id: &str, leases: &[(Uuid, i64)], began: Option<DateTime<Utc>>) -> Result<Vec<Job>> {
+        let mut in_order = leases.to_vec();
+        in_order.sort_unstable_by_key(|l| l.0);
+        let (ids, tokens): (Vec<Uuid>, Vec<i64>) = in_order.into_iter().unzip();
         let sql = format!(
             "WITH started AS (
                 UPDATE jobs j SET state = 'running', attempts = j.attempts + 1,
-                       lease_token = b.token, worker_id = $3, started_at = now(),
+                       lease_token = b.token, worker_id = $3, started_at = COALESCE($4, now()),
                        state_changed_at = now(), run_at = NULL
                 FROM unnest($1::uuid[], $2::int8[]) AS b(id, token)
                 WHERE j.id = b.id AND j.state IN ('queued', 'scheduled', 'retrying')
                 RETURNING {cols}
             ), events AS (
-                INSERT INTO job_events (job_id, state, attempt, worker_id)
-                SELECT id, 'running', attempts, worker_id FROM started
+                INSERT INTO job_events (job_id, state, attempt, worker_id, at)
+                SELECT id, 'running', attempts, worker_id, started_at FROM started
             )
             SELECT * FROM started",
             cols = prefixed_columns("j")
         );
-        let rows = sqlx::query(&sql).bind(&ids).bind(&tokens).bind(worker_id).fetch_all(&self.pool).await?;
+        let rows = sqlx::query(&sql).bind(&ids).bind(&tokens).bind(worker_id).bind(began).fetch_all(&self.pool).await?;
         rows.iter().map(job_from_row).collect()
+    }
+
+    /// Postgres' clock now, and those of `ids` that are waiting (queued, scheduled or
+    /// retrying), read without changing them: a worker runs them and records their start with
+    /// their outcome ([`UnrecordedStart`]), or later with [`Store::start_at`].
+    pub async fn waiting_jobs(&self, ids: &[Uuid]) -> Result<(DateTime<Utc>, Vec<Job>)> {
+        let rows = sqlx::query(&format!(
+            "SELECT now() AS read_at, {JOB_COLUMNS} FROM jobs
+             WHERE id = ANY($1) AND state IN ('queued', 'scheduled', 'retrying') ORDER BY id"
+        ))
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?;
+        let now = match rows.first() {
+            Some(r) => r.try_get("read_at")?,
+            None => Utc::now(),
+        };
+        Ok((now, rows.iter().map(job_from_row).collect::<Result<_>>()?))
     }
 
     /// Records how attempts ended, in one statement. Only a running job whose fencing token
     /// matches is changed: a report from a lease that expired (the job was re-run elsewhere, or
-    /// already settled) is refused and left out of the result.
+    /// already settled) is refused and left out of the result. An attempt whose start was not
+    /// recorded ([`Settlement::unrecorded`]) is recorded with its outcome, `running` event
+    /// first, if the job is still waiting as it was read; a `Released` one changes nothing.
     ///
     /// A `Retry` of a job that used its last attempt makes it `failed`; otherwise the job becomes
     /// `retrying`, due after `policy`'s backoff. A job whose cancel was requested while it ran
@@ -423,7 +472,21 @@ impl Store {
         let mut outputs: Vec<Option<String>> = Vec::with_capacity(n);
         let mut errors: Vec<Option<String>> = Vec::with_capacity(n);
         let mut bodies: Vec<Option<&[u8]>> = Vec::with_capacity(n);
-        for s in settlements {
+        let mut unrecorded = Vec::with_capacity(n);
+        let mut began: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+        let mut prior_attempts: Vec<Option<i32>> = Vec::with_capacity(n);
+        let mut prior_tokens: Vec<Option<i64>> = Vec::with_capacity(n);
+        let mut worker_ids: Vec<Option<&str>> = Vec::with_capacity(n);
+        let mut in_order: Vec<&Settlement> = settlements
+            .iter()
+            // An attempt handed back before Postgres saw it start changes nothing there.
+            .filter(|s| !(s.unrecorded.is_some() && matches!(s.outcome, Outcome::Released)))
+            .collect();
+        if in_order.is_empty() {
+            return Ok(Vec::new());
+        }
+        in_order.sort_unstable_by_key(|s| s.id);
+        for s in in_order {
             ids.push(s.id);
             tokens.push(s.token);
             let (state, output, error) = match &s.outcome {
@@ -444,54 +507,80 @@ impl Store {
             });
             outputs.push(output);
             errors.push(error);
+            unrecorded.push(s.unrecorded.is_some());
+            began.push(s.unrecorded.as_ref().and_then(|u| u.at));
+            prior_attempts.push(s.unrecorded.as_ref().map(|u| u.attempts));
+            prior_tokens.push(s.unrecorded.as_ref().and_then(|u| u.lease_token));
+            worker_ids.push(s.unrecorded.as_ref().and_then(|u| u.worker_id.as_deref()));
         }
-        let rows = sqlx::query(
-            "WITH b AS (
-                SELECT u.id, u.token, u.output, u.error, u.body,
-                       CASE WHEN u.state IN ('retrying', 'queued') AND j.cancel_requested
-                                 THEN 'canceled'
-                            WHEN u.state = 'retrying' AND j.attempts >= j.max_attempts
-                                 THEN 'failed'
-                            ELSE u.state END AS state
-                FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[], $8::bytea[])
-                     AS u(id, token, state, output, error, body)
-                JOIN jobs j ON j.id = u.id
-                -- Locked, so the cancel_requested read is the latest: a cancel that commits
-                -- while this statement runs is seen, not overwritten by a retry. In id order,
-                -- so two settles of overlapping jobs (a worker and the reaper) cannot deadlock.
-                ORDER BY j.id
-                FOR UPDATE OF j
-            ), settled AS (
+        // One UPDATE, no separate locking pass: it locks each row as it reaches it, and when a
+        // row was changed meanwhile (a cancel committing) Postgres re-reads its latest version
+        // and evaluates the new state on that, so a cancel that commits while this runs is seen,
+        // not overwritten by a retry. Rows are given in id order, as every batch statement
+        // gives them, so two settles of overlapping jobs (a worker and the reaper) take their
+        // locks in one order.
+        //
+        // `attempt` is the number of the attempt that ended: an unrecorded one is counted here.
+        let attempt = "(CASE WHEN u.unrecorded THEN j.attempts + 1 ELSE j.attempts END)";
+        let state = format!(
+            "(CASE WHEN u.state IN ('retrying', 'queued') AND j.cancel_requested THEN 'canceled' \
+                   WHEN u.state = 'retrying' AND {attempt} >= j.max_attempts THEN 'failed' \
+                   ELSE u.state END)"
+        );
+        let sql = format!(
+            "WITH settled AS (
                 UPDATE jobs j SET
-                    state = b.state,
+                    state = {state},
                     state_changed_at = now(),
-                    attempts = CASE WHEN b.state = 'queued' THEN j.attempts - 1 ELSE j.attempts END,
-                    finished_at = CASE WHEN b.state IN ('succeeded', 'failed', 'canceled')
-                                       THEN now() END,
-                    run_at = CASE WHEN b.state = 'retrying' THEN tern_retry_at(j.attempts, $6, $7) END,
-                    output = b.output::jsonb,
-                    output_body = b.body,
-                    error = CASE WHEN b.state = 'queued' THEN j.error ELSE b.error::jsonb END
-                FROM b
-                WHERE j.id = b.id AND j.lease_token = b.token AND j.state = 'running'
-                RETURNING j.id, j.kind, j.state, j.run_at, j.attempts, j.worker_id,
-                          COALESCE(b.output, b.error) AS detail
+                    attempts = CASE WHEN {state} = 'queued' THEN {attempt} - 1 ELSE {attempt} END,
+                    started_at = CASE WHEN u.unrecorded THEN COALESCE(u.began, now()) ELSE j.started_at END,
+                    worker_id = CASE WHEN u.unrecorded THEN COALESCE(u.worker_id, j.worker_id) ELSE j.worker_id END,
+                    lease_token = u.token,
+                    finished_at = CASE WHEN {state} IN ('succeeded', 'failed', 'canceled') THEN now() END,
+                    run_at = CASE WHEN {state} = 'retrying' THEN tern_retry_at({attempt}, $6, $7) END,
+                    output = u.output::jsonb,
+                    output_body = u.body,
+                    error = CASE WHEN {state} = 'queued' THEN j.error ELSE u.error::jsonb END
+                FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[], $8::bytea[],
+                            $9::bool[], $10::timestamptz[], $11::int4[], $12::int8[], $13::text[])
+                     AS u(id, token, state, output, error, body,
+                          unrecorded, began, prior_attempts, prior_token, worker_id)
+                WHERE j.id = u.id AND CASE
+                    -- Unrecorded: still waiting, and nothing else ran or charged it meanwhile.
+                    WHEN u.unrecorded THEN j.state IN ('queued', 'scheduled', 'retrying')
+                         AND j.attempts = u.prior_attempts
+                         AND j.lease_token IS NOT DISTINCT FROM u.prior_token
+                    ELSE j.state = 'running' AND j.lease_token = u.token END
+                RETURNING j.id, j.kind, j.state, j.run_at, j.attempts, j.worker_id, j.started_at,
+                          u.unrecorded, COALESCE(u.output, u.error) AS detail
             ), events AS (
-                INSERT INTO job_events (job_id, state, attempt, worker_id, detail)
-                SELECT id, state, attempts, worker_id, detail::jsonb FROM settled
+                -- An unrecorded attempt's `running` event first, at the time it began.
+                INSERT INTO job_events (job_id, state, attempt, worker_id, detail, at)
+                SELECT s.id, e.state, s.attempts, s.worker_id, e.detail, e.at
+                FROM settled s
+                CROSS JOIN LATERAL (VALUES (1, 'running', NULL::jsonb, s.started_at),
+                                           (2, s.state, s.detail::jsonb, now())) AS e(ord, state, detail, at)
+                WHERE e.ord = 2 OR s.unrecorded
+                ORDER BY s.id, e.ord
             )
-            SELECT id, kind, state, run_at FROM settled",
-        )
-        .bind(&ids)
-        .bind(&tokens)
-        .bind(&states)
-        .bind(&outputs)
-        .bind(&errors)
-        .bind(policy.base.as_millis() as i64)
-        .bind(policy.cap.as_millis() as i64)
-        .bind(&bodies)
-        .fetch_all(&self.pool)
-        .await?;
+            SELECT id, kind, state, run_at FROM settled"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(&ids)
+            .bind(&tokens)
+            .bind(&states)
+            .bind(&outputs)
+            .bind(&errors)
+            .bind(policy.base.as_millis() as i64)
+            .bind(policy.cap.as_millis() as i64)
+            .bind(&bodies)
+            .bind(&unrecorded)
+            .bind(&began)
+            .bind(&prior_attempts)
+            .bind(&prior_tokens)
+            .bind(&worker_ids)
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter()
             .map(|r| {
                 Ok(Settled {
@@ -561,6 +650,7 @@ fn active_job(r: &sqlx::postgres::PgRow) -> Result<ActiveJob> {
         cost: r.try_get("cost")?,
         run_at: r.try_get("run_at")?,
         lease_token: r.try_get("lease_token")?,
+        attempts: r.try_get("attempts")?,
         tenant: r.try_get("tenant")?,
     })
 }

@@ -102,6 +102,12 @@ struct Cli {
     /// with other renderings (subtitles) always goes to S3. 0: every output to S3.
     #[arg(long, env = "TERN_OUTPUT_IN_POSTGRES_MAX_BYTES", default_value_t = tern_jobs::job::OUTPUT_IN_POSTGRES_MAX_BYTES_DEFAULT)]
     output_in_postgres_max_bytes: usize,
+    /// How long (ms) a batch runs before its jobs are recorded `running` in Postgres. A batch
+    /// that ends sooner records each job's start and outcome in one statement (the `running`
+    /// event keeps the time the job began), saving a write of every job; meanwhile its jobs
+    /// read as waiting. 0: record every start before the batch runs.
+    #[arg(long, env = "TERN_RECORD_START_AFTER_MS", default_value_t = runner::RECORD_START_AFTER_DEFAULT.as_millis() as u64)]
+    record_start_after_ms: u64,
     /// Largest input file (bytes) a job may bring by URL or upload.
     #[arg(long, env = "TERN_MAX_FILE_BYTES", default_value_t = 512 * 1024 * 1024)]
     max_file_bytes: u64,
@@ -279,6 +285,7 @@ async fn run() -> anyhow::Result<()> {
             max_audio_seconds: cli.services.max_audio_seconds,
             whisper_padding: cli.whisper_padding,
             output_in_postgres_max_bytes: cli.output_in_postgres_max_bytes,
+            record_start_after: Duration::from_millis(cli.record_start_after_ms),
         },
         store,
         queue,

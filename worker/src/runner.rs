@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tern_jobs::queue::{Lease, SettleAction};
 use std::collections::{HashMap, HashSet};
-use tern_jobs::store::{Outcome, Settled, Settlement};
+use tern_jobs::store::{Outcome, Settled, Settlement, UnrecordedStart};
 use uuid::Uuid;
 use tern_jobs::{Failure, Job, JobKind, JobOutput, JobState, ObjectStore, Queue, RetryPolicy, Store};
 use tokio::sync::{watch, Notify, Semaphore};
@@ -53,7 +53,15 @@ pub struct RunnerSettings {
     pub whisper_padding: tern_models::whisper::Padding,
     /// Largest output kept in Postgres instead of S3 (0: none).
     pub output_in_postgres_max_bytes: usize,
+    /// How long a batch runs before its starts are recorded; a batch that ends sooner records
+    /// them with its outcomes. Zero: before it runs. Default [`RECORD_START_AFTER_DEFAULT`].
+    pub record_start_after: Duration,
 }
+
+/// How long a batch runs before its jobs are recorded `running`: long enough that a batch of
+/// quick jobs (echo, most embeddings) records each job once, with its outcome, short enough
+/// that a client polling a long job soon sees it running.
+pub const RECORD_START_AFTER_DEFAULT: Duration = Duration::from_millis(250);
 
 pub struct Runner {
     pub settings: RunnerSettings,
@@ -140,7 +148,35 @@ impl Runner {
 
     async fn run_batch(&self, kind: JobKind, leases: Vec<Lease>, mut abort: watch::Receiver<bool>) -> tern_jobs::Result<()> {
         let pairs: Vec<(Uuid, i64)> = leases.iter().map(|l| (l.id, l.token)).collect();
-        let jobs = self.store.start(&self.settings.worker_id, &pairs).await?;
+        // Each job's start is recorded before it runs, or (the default) with its outcome when
+        // the batch ends within `record_start_after`, else once that has passed. `unrecorded`
+        // holds what such a settle needs, per job, until the start is recorded.
+        let defer = !self.settings.record_start_after.is_zero();
+        let (jobs, mut unrecorded) = if defer {
+            let (began, mut jobs) = self.store.waiting_jobs(&pairs.iter().map(|p| p.0).collect::<Vec<_>>()).await?;
+            let tokens: HashMap<Uuid, i64> = pairs.iter().copied().collect();
+            let mut unrecorded = HashMap::with_capacity(jobs.len());
+            for job in &mut jobs {
+                unrecorded.insert(
+                    job.id,
+                    UnrecordedStart {
+                        at: Some(began),
+                        attempts: job.attempts,
+                        lease_token: job.lease_token,
+                        worker_id: Some(self.settings.worker_id.clone()),
+                    },
+                );
+                // The job as it runs: this lease's attempt.
+                job.lease_token = tokens.get(&job.id).copied();
+                job.attempts += 1;
+                job.state = JobState::Running;
+                job.started_at = Some(began);
+                job.worker_id = Some(self.settings.worker_id.clone());
+            }
+            (jobs, unrecorded)
+        } else {
+            (self.store.start(&self.settings.worker_id, &pairs).await?, HashMap::new())
+        };
         // Leases Postgres refused: the job was canceled, finished or is held elsewhere.
         let started: HashSet<Uuid> = jobs.iter().map(|j| j.id).collect();
         let refused: Vec<_> = leases
@@ -187,16 +223,52 @@ impl Runner {
             metrics::histogram!("tern_job_run_seconds", "kind" => job.kind.as_str()).record(started.elapsed().as_secs_f64());
             outcome
         }));
-        let outcomes = tokio::select! {
-            outcomes = work => outcomes,
-            _ = release_on_abort => unreachable!("never resolves"),
+        tokio::pin!(work, release_on_abort);
+        let record_start = tokio::time::sleep(self.settings.record_start_after);
+        tokio::pin!(record_start);
+        // Jobs whose recorded start Postgres refused (canceled or taken meanwhile): stopped, and
+        // their outcomes dropped.
+        let mut lost = HashSet::new();
+        let mut record_due = defer;
+        let outcomes = loop {
+            tokio::select! {
+                outcomes = &mut work => break outcomes,
+                _ = &mut release_on_abort => unreachable!("never resolves"),
+                _ = &mut record_start, if record_due => {
+                    record_due = false;
+                    let began = unrecorded.values().next().and_then(|u| u.at);
+                    let pairs: Vec<(Uuid, i64)> = jobs.iter().map(|j| (j.id, j.lease_token.unwrap_or_default())).collect();
+                    match self.store.start_at(&self.settings.worker_id, &pairs, began).await {
+                        Ok(recorded) => {
+                            let recorded: HashSet<Uuid> = recorded.iter().map(|j| j.id).collect();
+                            for (job, stop) in jobs.iter().zip(&signals) {
+                                if !recorded.contains(&job.id) {
+                                    stop.raise(StopReason::LeaseLost);
+                                    lost.insert(job.id);
+                                }
+                            }
+                            unrecorded.clear();
+                        }
+                        // Recorded with the outcomes instead, as for a short batch.
+                        Err(e) => {
+                            tracing::warn!(error = %e, jobs = pairs.len(), "could not record the batch's starts; they are recorded with its outcomes");
+                        }
+                    }
+                }
+            }
         };
 
         let settlements: Vec<Settlement> = jobs
             .iter()
             .zip(outcomes)
+            .filter(|(job, _)| !lost.contains(&job.id))
             .filter_map(|(job, outcome)| {
-                outcome.map(|outcome| Settlement { id: job.id, token: job.lease_token.unwrap_or_default(), outcome })
+                outcome.map(|outcome| Settlement {
+                    id: job.id,
+                    token: job.lease_token.unwrap_or_default(),
+                    outcome,
+                    unrecorded: unrecorded.remove(&job.id),
+                })
             })
             .collect();
         // The leases stay held (the keeper heartbeats on) while Postgres is retried: a blip at
@@ -213,6 +285,8 @@ impl Runner {
             .iter()
             .map(|s| {
                 let action = match settled.get(&s.id) {
+                    // Handed back before Postgres saw it start: it is waiting there as it was.
+                    None if s.unrecorded.is_some() && matches!(s.outcome, Outcome::Released) => SettleAction::At(now),
                     None => SettleAction::Drop,
                     Some(x) => match x.state {
                         JobState::Retrying => SettleAction::At(x.run_at.unwrap_or(now)),
