@@ -116,10 +116,26 @@ const ACTIVE_COLUMNS: &str = "id, kind, priority, state, cost, run_at, lease_tok
 impl Store {
     /// Connects with at most `max_connections` pooled connections.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Store> {
+        Self::connect_with(url, max_connections, &[]).await
+    }
+
+    /// [`Store::connect`] for a worker, whose statements are all batches addressed by job id
+    /// (start, settle, reads of leased jobs). Its sessions plan each statement once, generically
+    /// (`plan_cache_mode = force_generic_plan`): a generic plan takes a batch's jobs by index,
+    /// one probe per row, whatever the table's size, where a plan made for a 512-row batch
+    /// hashes the whole table whenever the planner thinks it small, as it does of a young table
+    /// whose statistics lag (every batch then costs as much as the table is large). It also
+    /// spares planning the same statement on every batch.
+    pub async fn connect_for_batches(url: &str, max_connections: u32) -> Result<Store> {
+        Self::connect_with(url, max_connections, &[("plan_cache_mode", "force_generic_plan")]).await
+    }
+
+    async fn connect_with(url: &str, max_connections: u32, settings: &[(&str, &str)]) -> Result<Store> {
+        let options: sqlx::postgres::PgConnectOptions = url.parse()?;
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(10))
-            .connect(url)
+            .connect_with(options.options(settings.iter().copied()))
             .await?;
         Ok(Store { pool })
     }

@@ -239,7 +239,7 @@ async fn run() -> anyhow::Result<()> {
     };
     let worker_id = cli.worker_id.clone().unwrap_or_else(default_worker_id);
     let database = &cli.services.database;
-    let store = wait_for("Postgres", || Store::connect(&database.database_url, database.database_max_connections)).await?;
+    let store = wait_for("Postgres", || Store::connect_for_batches(&database.database_url, database.database_max_connections)).await?;
     let queue = cli.services.queue.connect().context("configuring Redis")?;
     wait_for("Redis", || queue.ping()).await?;
     let objects = ObjectStore::new(&cli.services.s3.settings());

@@ -28,7 +28,7 @@ struct Args {
     #[arg(long, env = "TERN_BENCH_LATENCY_SAMPLES", default_value_t = 1_000)]
     latency_samples: usize,
     /// Jobs per worker batch (TERN_BATCH_SIZE of the workers).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 512)]
     batch_size: usize,
     /// Batches in flight per worker (TERN_CONCURRENCY of the workers).
     #[arg(long, default_value_t = 4)]
