@@ -22,6 +22,11 @@ use std::time::Duration;
 use tern_jobs::config::ServiceArgs;
 use tern_jobs::{ObjectStore, Reaper, Reconciler, Store};
 
+
+// Many small JSON allocations per request (see Cargo.toml).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(name = "tern-api", version, about = "tern's HTTP API: submit, inspect and cancel inference jobs")]
 struct Cli {
