@@ -58,10 +58,8 @@ local function leave_turns(rank, tenant, v, clock)
   end
 end
 
--- Puts a job in its ready sets; its tenant joins the rank's turns if it was not in them.
-local function ready_add(id, rank, tenant, score)
-  redis.call('ZADD', rank_key(rank), score, id)
-  redis.call('ZADD', tenant_key(rank, tenant), score, id)
+-- A tenant with jobs ready in `rank` takes turns there, if it did not yet.
+local function join_turns(rank, tenant)
   local turns = turns_key(rank)
   if not in_turns[rank .. ':' .. tenant] and not redis.call('ZSCORE', turns, tenant) then
     local saved = BASE .. ':vsaved:' .. rank
@@ -70,6 +68,13 @@ local function ready_add(id, rank, tenant, score)
     redis.call('ZADD', turns, math.max(rank_clock(rank), lead), tenant)
   end
   in_turns[rank .. ':' .. tenant] = true
+end
+
+-- Puts a job in its ready sets; its tenant joins the rank's turns if it was not in them.
+local function ready_add(id, rank, tenant, score)
+  redis.call('ZADD', rank_key(rank), score, id)
+  redis.call('ZADD', tenant_key(rank, tenant), score, id)
+  join_turns(rank, tenant)
 end
 
 -- Takes a job out of its ready sets; true if it was ready.
@@ -113,6 +118,62 @@ local function lease_remove(id, tenant)
     if redis.call('HINCRBY', key('running'), tenant, -1) <= 0 then
       redis.call('HDEL', key('running'), tenant)
     end
+  end
+end
+
+-- admit() for many jobs at once, each {id, rank, cost, tenant, run_at}, with a few commands per
+-- batch instead of five per job (the queue's Redis time per job was mostly these calls). The
+-- jobs take sequence numbers in the order given, as one by one.
+local function admit_many(jobs, now, step)
+  if #jobs == 0 then
+    return
+  end
+  local metas, delayed, ready = {}, {}, {}
+  for _, j in ipairs(jobs) do
+    metas[#metas + 1] = j[1]
+    metas[#metas + 1] = j[2] .. ':' .. j[3] .. ':' .. j[4]
+    if j[5] > now then
+      delayed[#delayed + 1] = j[5]
+      delayed[#delayed + 1] = j[1]
+    else
+      ready[#ready + 1] = j
+    end
+  end
+  redis.call('HSET', key('meta'), unpack(metas))
+  if #delayed > 0 then
+    redis.call('ZADD', key('delayed'), unpack(delayed))
+  end
+  if #ready == 0 then
+    return
+  end
+  local first = next_seq(key('seq'))
+  if #ready > 1 then
+    redis.call('INCRBY', key('seq'), #ready - 1)
+  end
+  -- Grouped by rank, and by rank and tenant: one ZADD per set.
+  local by_rank, by_tenant, groups = {}, {}, {}
+  for n, j in ipairs(ready) do
+    local rank, tenant = j[2], j[4]
+    local score = ready_score(now, rank, step, first + n - 1)
+    by_rank[rank] = by_rank[rank] or {}
+    local r = by_rank[rank]
+    r[#r + 1] = score
+    r[#r + 1] = j[1]
+    local g = rank .. ':' .. tenant
+    if not by_tenant[g] then
+      by_tenant[g] = {}
+      groups[#groups + 1] = {rank, tenant}
+    end
+    local t = by_tenant[g]
+    t[#t + 1] = score
+    t[#t + 1] = j[1]
+  end
+  for rank, members in pairs(by_rank) do
+    redis.call('ZADD', rank_key(rank), unpack(members))
+  end
+  for _, g in ipairs(groups) do
+    redis.call('ZADD', tenant_key(g[1], g[2]), unpack(by_tenant[g[1] .. ':' .. g[2]]))
+    join_turns(g[1], g[2])
   end
 end
 

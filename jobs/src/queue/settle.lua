@@ -5,18 +5,47 @@
 --   'at:<ms>'  due again at that time (a retry, or a released job with its time = now)
 --   'drop'     Postgres refused this lease: release it if it is still ours, keep the job
 -- A lease is only cleared under its own token, so a stale worker never frees a newer lease.
+-- The whole batch is read with one command per hash or set and written likewise, not a few
+-- commands per job.
+local ids = {}
 for i = 1, #ARGV, 3 do
-  local id, token, action = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local meta = redis.call('HGET', key('meta'), id)
-  if redis.call('HGET', key('tokens'), id) == token then
-    lease_remove(id, meta and meta_tenant(meta) or 'default')
+  ids[#ids + 1] = ARGV[i]
+end
+local metas = redis.call('HMGET', key('meta'), unpack(ids))
+local tokens = redis.call('HMGET', key('tokens'), unpack(ids))
+local leased = redis.call('ZMSCORE', key('leases'), unpack(ids))
+local unlease, freed, forget, delayed = {}, {}, {}, {}
+for n, id in ipairs(ids) do
+  local token, action = ARGV[3 * n - 1], ARGV[3 * n]
+  if tokens[n] == token then
+    unlease[#unlease + 1] = id
+    if leased[n] then
+      local tenant = metas[n] and meta_tenant(metas[n]) or 'default'
+      freed[tenant] = (freed[tenant] or 0) + 1
+    end
   end
-  redis.call('HDEL', key('progress'), id)
   if action == 'done' then
-    redis.call('HDEL', key('meta'), id)
-    redis.call('SREM', key('canceled'), id)
+    forget[#forget + 1] = id
   elseif string.sub(action, 1, 3) == 'at:' then
-    redis.call('ZADD', key('delayed'), tonumber(string.sub(action, 4)), id)
+    delayed[#delayed + 1] = tonumber(string.sub(action, 4))
+    delayed[#delayed + 1] = id
   end
+end
+if #unlease > 0 then
+  redis.call('HDEL', key('tokens'), unpack(unlease))
+  redis.call('ZREM', key('leases'), unpack(unlease))
+  for tenant, k in pairs(freed) do
+    if redis.call('HINCRBY', key('running'), tenant, -k) <= 0 then
+      redis.call('HDEL', key('running'), tenant)
+    end
+  end
+end
+redis.call('HDEL', key('progress'), unpack(ids))
+if #forget > 0 then
+  redis.call('HDEL', key('meta'), unpack(forget))
+  redis.call('SREM', key('canceled'), unpack(forget))
+end
+if #delayed > 0 then
+  redis.call('ZADD', key('delayed'), unpack(delayed))
 end
 return 1
