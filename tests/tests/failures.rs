@@ -3,7 +3,7 @@
 use serde_json::{json, Value};
 use std::time::Duration;
 use tern_e2e::Cluster;
-use tern_jobs::store::{Outcome, Settlement};
+use tern_jobs::store::{Outcome, Settlement, UnrecordedStart};
 use tern_jobs::{JobOutput, RetryPolicy, Store};
 use uuid::Uuid;
 
@@ -496,4 +496,64 @@ async fn a_cancel_redis_lost_still_reaches_the_worker() {
         jobs_without_exactly_one_terminal_event(&cluster, &ids).await,
         0
     );
+}
+
+/// Issue 22: a batch that ends quickly records its jobs' starts with their outcomes. Such a
+/// settle is fenced by the job's attempts and lease token as the worker read them: it is
+/// refused once the reaper charged the lease, or a cancel was recorded, meanwhile; a settle
+/// that is let through records the `running` event first, at the time the attempt began.
+#[tokio::test]
+async fn a_settle_of_an_unrecorded_start_is_refused_when_the_job_changed_since_it_was_read() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let ids = cluster
+        .submit_all(&[json!({"kind": "echo", "input": {"message": 1}}), json!({"kind": "echo", "input": {"message": 2}})])
+        .await
+        .unwrap();
+    let store = Store::connect_for_batches(&cluster.database_url, 2).await.unwrap();
+    let (began, read) = store.waiting_jobs(&ids).await.unwrap();
+    assert_eq!(read.len(), 2);
+    let unrecorded = |attempts: i32, lease_token: Option<i64>| UnrecordedStart {
+        at: Some(began),
+        attempts,
+        lease_token,
+        worker_id: Some("test-worker".into()),
+    };
+    let output = JobOutput::in_postgres(b"{}".to_vec().into(), "application/json");
+    let settle = |id: Uuid, token: i64, outcome: Outcome, from: UnrecordedStart| {
+        let store = store.clone();
+        async move {
+            store
+                .settle(&[Settlement { id, token, outcome, unrecorded: Some(from) }], RetryPolicy::default())
+                .await
+                .unwrap()
+        }
+    };
+
+    // The reaper charges the first job's lease (token 7) before its worker reports.
+    let charged = settle(ids[0], 7, Outcome::Retry(tern_jobs::Failure::new("lease_expired", "gone")), unrecorded(0, None)).await;
+    assert_eq!(charged.len(), 1);
+    assert_eq!(cluster.state_of(ids[0]).await.unwrap(), "retrying");
+    let late = settle(ids[0], 7, Outcome::Succeeded(output.clone()), unrecorded(0, None)).await;
+    assert!(late.is_empty(), "a charged lease's outcome was recorded: {late:?}");
+    // The next lease reads the job as it is now, and its outcome is recorded.
+    let next = settle(ids[0], 8, Outcome::Succeeded(output.clone()), unrecorded(1, Some(7))).await;
+    assert_eq!(next.len(), 1);
+    let (_, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
+    assert_eq!((job["state"].as_str(), job["attempts"].as_i64()), (Some("succeeded"), Some(2)), "{job}");
+    assert_eq!(job["worker_id"], "test-worker", "{job}");
+    let (_, events) = cluster.get(&format!("/v1/jobs/{}/events", ids[0])).await.unwrap();
+    let events = events["events"].as_array().unwrap().clone();
+    let states: Vec<&str> = events.iter().map(|e| e["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["queued", "running", "retrying", "running", "succeeded"]);
+    let at = |i: usize| chrono::DateTime::parse_from_rfc3339(events[i]["at"].as_str().unwrap()).unwrap();
+    assert_eq!(at(3), began, "the running event is dated when the attempt began");
+    assert!(at(4) >= at(3));
+
+    // The second job is canceled while it runs unrecorded: the cancel stands.
+    let (status, body) = cluster.post(&format!("/v1/jobs/{}/cancel", ids[1]), &json!({})).await.unwrap();
+    assert_eq!((status, body["state"].as_str()), (200, Some("canceled")), "{body}");
+    let refused = settle(ids[1], 9, Outcome::Succeeded(output), unrecorded(0, None)).await;
+    assert!(refused.is_empty(), "{refused:?}");
+    assert_eq!(cluster.state_of(ids[1]).await.unwrap(), "canceled");
+    assert_eq!(jobs_without_exactly_one_terminal_event(&cluster, &ids).await, 0);
 }
