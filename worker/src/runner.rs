@@ -281,6 +281,12 @@ impl Runner {
             metrics::counter!("tern_jobs_settled_total", "kind" => k, "state" => s.state.as_str()).increment(1);
         }
         let now = Utc::now();
+        // Leases whose recorded start Postgres refused are released at once (a tenant's cap
+        // counts them until then).
+        let released = jobs
+            .iter()
+            .filter(|j| lost.contains(&j.id))
+            .map(|j| (j.id, j.lease_token.unwrap_or_default(), SettleAction::Drop));
         let actions: Vec<_> = settlements
             .iter()
             .map(|s| {
@@ -296,6 +302,7 @@ impl Runner {
                 };
                 (s.id, s.token, action)
             })
+            .chain(released)
             .collect();
         self.queue.settle(kind, &actions).await?;
         if settled.len() < settlements.len() {
