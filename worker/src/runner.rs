@@ -1,6 +1,7 @@
-//! The worker's loop: pull a batch, mark it running, execute it, store outputs, settle it.
-//! Postgres sees two statements per batch (start, settle), Redis two scripts (pull, settle)
-//! plus a heartbeat per second while the batch runs.
+//! The worker's loop: pull a batch, read its jobs, execute them, store outputs, settle them.
+//! Postgres sees two statements per batch (a read, and a settle that records each job's start
+//! with its outcome), three for a batch that runs past `record_start_after` (its starts are
+//! recorded then); Redis two scripts (pull, settle) plus a heartbeat per second while it runs.
 
 use crate::file_fetch::FileFetcher;
 use crate::kinds::{self, Context, Execution};
