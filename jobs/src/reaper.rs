@@ -57,19 +57,7 @@ impl Reaper {
                 })
             })
             .collect();
-        let settled = self.store.settle(&settlements, self.retry).await?;
-        let tokens: HashMap<Uuid, i64> = settlements.iter().map(|s| (s.id, s.token)).collect();
-        let actions: Vec<_> = settled
-            .iter()
-            .map(|s| {
-                let action = match (s.state, s.run_at) {
-                    (JobState::Retrying, Some(at)) => SettleAction::At(at),
-                    _ => SettleAction::Done,
-                };
-                (s.id, tokens[&s.id], action)
-            })
-            .collect();
-        self.queue.settle(kind, &actions).await?;
+        let settled = self.record(kind, &settlements).await?;
         if !settled.is_empty() {
             tracing::warn!(kind = %kind, jobs = settled.len(), "returned jobs whose lease expired");
         }
@@ -77,11 +65,10 @@ impl Reaper {
         // recorded the start (a batch records it with the outcome when it ends soon enough, or
         // never ran it). The lease is an attempt all the same, charged now, so a job that kills
         // its workers fails after its attempts instead of coming back for ever.
-        let settled_ids: HashSet<Uuid> = settled.iter().map(|s| s.id).collect();
         let unsettled: Vec<Uuid> = expired
             .iter()
             .map(|(id, _)| *id)
-            .filter(|id| !settled_ids.contains(id))
+            .filter(|id| !settled.contains(id))
             .collect();
         let mut charged = 0;
         if !unsettled.is_empty() {
@@ -103,24 +90,31 @@ impl Reaper {
                     }),
                 })
                 .collect();
-            let settled = self.store.settle(&settlements, self.retry).await?;
-            let actions: Vec<_> = settled
-                .iter()
-                .map(|s| {
-                    let action = match (s.state, s.run_at) {
-                        (JobState::Retrying, Some(at)) => SettleAction::At(at),
-                        _ => SettleAction::Done,
-                    };
-                    (s.id, expired_tokens.get(&s.id).copied().unwrap_or_default(), action)
-                })
-                .collect();
-            self.queue.settle(kind, &actions).await?;
-            charged = settled.len();
+            charged = self.record(kind, &settlements).await?.len();
             if charged > 0 {
                 tracing::warn!(kind = %kind, jobs = charged, "charged an attempt to jobs whose lease expired before their start was recorded");
             }
         }
         Ok(settled.len() + charged)
+    }
+
+    /// Records expired leases' settlements in Postgres, then clears those leases in Redis and
+    /// requeues the retries; returns the jobs Postgres took.
+    async fn record(&self, kind: JobKind, settlements: &[Settlement]) -> Result<HashSet<Uuid>> {
+        let settled = self.store.settle(settlements, self.retry).await?;
+        let tokens: HashMap<Uuid, i64> = settlements.iter().map(|s| (s.id, s.token)).collect();
+        let actions: Vec<_> = settled
+            .iter()
+            .map(|s| {
+                let action = match (s.state, s.run_at) {
+                    (JobState::Retrying, Some(at)) => SettleAction::At(at),
+                    _ => SettleAction::Done,
+                };
+                (s.id, tokens[&s.id], action)
+            })
+            .collect();
+        self.queue.settle(kind, &actions).await?;
+        Ok(settled.iter().map(|s| s.id).collect())
     }
 
     /// Runs every `interval` until `stop` resolves.
