@@ -111,14 +111,31 @@ local function count_leases(tenant, n)
   redis.call('HINCRBY', key('running'), tenant, n)
 end
 
--- Drops a job's lease, if it has one.
-local function lease_remove(id, tenant)
-  redis.call('HDEL', key('tokens'), id)
-  if redis.call('ZREM', key('leases'), id) == 1 then
-    if redis.call('HINCRBY', key('running'), tenant, -1) <= 0 then
+-- Drops the leases of jobs `ids` (tenants[n] the tenant of ids[n]) that have one, and counts
+-- them off their tenants: a few commands for the whole list.
+local function lease_remove_many(ids, tenants)
+  if #ids == 0 then
+    return
+  end
+  local leased = redis.call('ZMSCORE', key('leases'), unpack(ids))
+  local freed = {}
+  for n, tenant in ipairs(tenants) do
+    if leased[n] then
+      freed[tenant] = (freed[tenant] or 0) + 1
+    end
+  end
+  redis.call('HDEL', key('tokens'), unpack(ids))
+  redis.call('ZREM', key('leases'), unpack(ids))
+  for tenant, k in pairs(freed) do
+    if redis.call('HINCRBY', key('running'), tenant, -k) <= 0 then
       redis.call('HDEL', key('running'), tenant)
     end
   end
+end
+
+-- Drops a job's lease, if it has one.
+local function lease_remove(id, tenant)
+  lease_remove_many({id}, {tenant})
 end
 
 -- admit() for many jobs at once, each {id, rank, cost, tenant, run_at}, with a few commands per
@@ -180,10 +197,5 @@ end
 -- Puts a waiting job in its delayed set (run_at still ahead) or its ready sets, and records its
 -- metadata. Used by enqueue and restore.
 local function admit(id, rank, cost, tenant, run_at, now, step)
-  redis.call('HSET', key('meta'), id, rank .. ':' .. cost .. ':' .. tenant)
-  if run_at > now then
-    redis.call('ZADD', key('delayed'), run_at, id)
-  else
-    ready_add(id, rank, tenant, ready_score(now, rank, step, next_seq(key('seq'))))
-  end
+  admit_many({{id, rank, cost, tenant, run_at}}, now, step)
 end

@@ -13,16 +13,12 @@ for i = 1, #ARGV, 3 do
 end
 local metas = redis.call('HMGET', key('meta'), unpack(ids))
 local tokens = redis.call('HMGET', key('tokens'), unpack(ids))
-local leased = redis.call('ZMSCORE', key('leases'), unpack(ids))
-local unlease, freed, forget, delayed = {}, {}, {}, {}
+local unlease, tenants, forget, delayed = {}, {}, {}, {}
 for n, id in ipairs(ids) do
   local token, action = ARGV[3 * n - 1], ARGV[3 * n]
   if tokens[n] == token then
     unlease[#unlease + 1] = id
-    if leased[n] then
-      local tenant = metas[n] and meta_tenant(metas[n]) or 'default'
-      freed[tenant] = (freed[tenant] or 0) + 1
-    end
+    tenants[#tenants + 1] = metas[n] and meta_tenant(metas[n]) or 'default'
   end
   if action == 'done' then
     forget[#forget + 1] = id
@@ -31,15 +27,7 @@ for n, id in ipairs(ids) do
     delayed[#delayed + 1] = id
   end
 end
-if #unlease > 0 then
-  redis.call('HDEL', key('tokens'), unpack(unlease))
-  redis.call('ZREM', key('leases'), unpack(unlease))
-  for tenant, k in pairs(freed) do
-    if redis.call('HINCRBY', key('running'), tenant, -k) <= 0 then
-      redis.call('HDEL', key('running'), tenant)
-    end
-  end
-end
+lease_remove_many(unlease, tenants)
 redis.call('HDEL', key('progress'), unpack(ids))
 if #forget > 0 then
   redis.call('HDEL', key('meta'), unpack(forget))
