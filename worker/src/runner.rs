@@ -153,7 +153,7 @@ impl Runner {
         // the batch ends within `record_start_after`, else once that has passed. `unrecorded`
         // holds what such a settle needs, per job, until the start is recorded.
         let defer = !self.settings.record_start_after.is_zero();
-        let (jobs, mut unrecorded) = if defer {
+        let (jobs, mut unrecorded, began) = if defer {
             let (began, mut jobs) = self.store.waiting_jobs(&pairs.iter().map(|p| p.0).collect::<Vec<_>>()).await?;
             let tokens: HashMap<Uuid, i64> = pairs.iter().copied().collect();
             let mut unrecorded = HashMap::with_capacity(jobs.len());
@@ -174,9 +174,9 @@ impl Runner {
                 job.started_at = Some(began);
                 job.worker_id = Some(self.settings.worker_id.clone());
             }
-            (jobs, unrecorded)
+            (jobs, unrecorded, Some(began))
         } else {
-            (self.store.start(&self.settings.worker_id, &pairs).await?, HashMap::new())
+            (self.store.start(&self.settings.worker_id, &pairs).await?, HashMap::new(), None)
         };
         // Leases Postgres refused: the job was canceled, finished or is held elsewhere.
         let started: HashSet<Uuid> = jobs.iter().map(|j| j.id).collect();
@@ -237,7 +237,6 @@ impl Runner {
                 _ = &mut release_on_abort => unreachable!("never resolves"),
                 _ = &mut record_start, if record_due => {
                     record_due = false;
-                    let began = unrecorded.values().next().and_then(|u| u.at);
                     let pairs: Vec<(Uuid, i64)> = jobs.iter().map(|j| (j.id, j.lease_token.unwrap_or_default())).collect();
                     match self.store.start_at(&self.settings.worker_id, &pairs, began).await {
                         Ok(recorded) => {
