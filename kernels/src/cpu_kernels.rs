@@ -116,6 +116,13 @@ fn gelu_erf_generic(dst: &mut [f32], src: &[f32]) {
 }
 
 #[inline(always)]
+fn gelu_erf_in_place_generic(xs: &mut [f32]) {
+    for x in xs.iter_mut() {
+        *x = gelu_erf(*x);
+    }
+}
+
+#[inline(always)]
 fn bias_gelu_erf_generic(dst: &mut [f32], src: &[f32], bias: &[f32]) {
     for ((d, &x), &b) in dst.iter_mut().zip(src).zip(bias) {
         *d = gelu_erf(x + b);
@@ -278,6 +285,10 @@ dispatched!(
 dispatched!(
     /// `dst[i] = gelu_erf(src[i])` over the shorter of the two slices.
     gelu_erf_slice(dst: &mut [f32], src: &[f32]) = gelu_erf_generic
+);
+dispatched!(
+    /// `xs[i] = gelu_erf(xs[i])`.
+    gelu_erf_in_place(xs: &mut [f32]) = gelu_erf_in_place_generic
 );
 dispatched!(
     /// `dst[i] = gelu_erf(src[i] + bias[i])` over the shortest slice: a linear layer's bias and

@@ -44,7 +44,10 @@ pub(crate) const NO_SPEECH_THRESHOLD: f64 = 0.6;
 pub(crate) struct Decoded {
     /// Sampled tokens, without the prompt and without EOT.
     pub tokens: Vec<u32>,
+    /// Log-probability of the tokens and EOT over their count (OpenAI's and faster-whisper's).
     pub avg_logprob: f64,
+    /// [`compression_ratio`] of the text.
+    pub compression_ratio: f64,
     pub no_speech_prob: f64,
     /// The window's keys/values and encoder output, handed back where it asked for word
     /// timestamps ([`Window::features`]).
@@ -78,7 +81,12 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&l| l - lse).collect()
 }
 
-/// OpenAI's `SuppressTokens`, `SuppressBlank` and `ApplyTimestampRules` on one logits row.
+/// The token rules of faster-whisper's decoder (CTranslate2's `disable_ids`,
+/// `disable_ids_begin` and `ApplyTimestampRules`, themselves OpenAI's `SuppressTokens`,
+/// `SuppressBlank` and `ApplyTimestampRules`) on one logits row.
+///
+/// One rule differs from OpenAI's, as CTranslate2 has it: a timestamp may equal the one
+/// before it after text (OpenAI demands a later one, so no segment has zero length).
 fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: bool) {
     let neg = f32::NEG_INFINITY;
     let n = logits.len();
@@ -88,10 +96,14 @@ fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: b
             logits[t as usize] = neg;
         }
     }
-    // Special tokens other than EOT (sot, task, language, no-speech, notimestamps) are prompt
-    // tokens only.
-    for t in (sp.eot + 1)..sp.timestamp_begin.min(vocab) {
-        logits[t as usize] = neg;
+    if sp.suppress.is_empty() {
+        // Without the model's list, no special token but EOT is sampled.
+        for t in (sp.eot + 1)..sp.timestamp_begin.min(vocab) {
+            logits[t as usize] = neg;
+        }
+    }
+    if sp.no_timestamps < vocab {
+        logits[sp.no_timestamps as usize] = neg;
     }
     if sampled.is_empty() {
         for &t in &sp.suppress_begin {
@@ -103,6 +115,15 @@ fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: b
     let tb = sp.timestamp_begin as usize;
     if !timestamps {
         logits[tb.min(n)..].fill(neg);
+        return;
+    }
+    if sampled.is_empty() {
+        // The first token is a timestamp, at most 1 s in.
+        logits[..tb].fill(neg);
+        let max_initial = tb + MAX_INITIAL_TIMESTAMP_INDEX as usize;
+        if max_initial + 1 < logits.len() {
+            logits[max_initial + 1..].fill(neg);
+        }
         return;
     }
     let is_ts = |t: u32| t >= sp.timestamp_begin;
@@ -118,21 +139,8 @@ fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: b
         }
     }
     if let Some(&last_ts) = sampled.iter().rev().find(|&&t| is_ts(t)) {
-        // Timestamps never decrease, and segments have nonzero length.
-        let floor = if last_was_ts && !penult_was_ts {
-            last_ts
-        } else {
-            last_ts + 1
-        };
-        logits[tb..(floor as usize).min(n)].fill(neg);
-    }
-    if sampled.is_empty() {
-        // The first token is a timestamp, at most 1 s in.
-        logits[..tb].fill(neg);
-        let max_initial = tb + MAX_INITIAL_TIMESTAMP_INDEX as usize;
-        if max_initial + 1 < logits.len() {
-            logits[max_initial + 1..].fill(neg);
-        }
+        // Timestamps never decrease.
+        logits[tb..(last_ts as usize).min(n)].fill(neg);
     }
     // If timestamps together are likelier than any single text token, force a timestamp.
     // (Compared on raw logits: the log-softmax shifts both sides by the same amount.)
@@ -166,22 +174,36 @@ fn pick(logits: &[f32], temperature: f64, rng: &mut Rng) -> u32 {
     pick(logits, 0.0, rng)
 }
 
-/// Crude stand-in for OpenAI's gzip compression ratio, to catch repetition loops without a
-/// compression dependency: tokens / distinct token 3-grams. A looping output scores high; normal
-/// speech stays near 1.
-fn repetition_ratio(tokens: &[u32]) -> f64 {
-    if tokens.len() < 6 {
-        return 1.0;
+/// OpenAI's and faster-whisper's compression ratio: bytes of the text over bytes of its zlib
+/// stream (level 6, zlib's default). A looping output compresses well and scores high; speech
+/// stays near 1 to 2.
+pub(crate) fn compression_ratio(text: &str) -> f64 {
+    let bytes = text.as_bytes();
+    if bytes.is_empty() {
+        return 0.0;
     }
-    let grams: std::collections::HashSet<&[u32]> = tokens.windows(3).collect();
-    tokens.len() as f64 / (grams.len() + 2) as f64
+    bytes.len() as f64 / miniz_oxide::deflate::compress_to_vec_zlib(bytes, 6).len() as f64
 }
 
+/// Whether a decoding looks degenerate (OpenAI's `needs_fallback`): too repetitive or too
+/// unsure, unless it is silence, where retrying only produces other hallucinations.
 fn needs_fallback(d: &Decoded) -> bool {
-    let degenerate = repetition_ratio(&d.tokens) > COMPRESSION_RATIO_THRESHOLD
-        || d.avg_logprob < LOGPROB_THRESHOLD;
-    // Silence: retrying only produces other hallucinations.
-    degenerate && d.no_speech_prob <= NO_SPEECH_THRESHOLD
+    let degenerate = d.compression_ratio > COMPRESSION_RATIO_THRESHOLD || d.avg_logprob < LOGPROB_THRESHOLD;
+    degenerate && !(d.no_speech_prob > NO_SPEECH_THRESHOLD && d.avg_logprob < LOGPROB_THRESHOLD)
+}
+
+/// The `k` likeliest tokens of a logits row, likeliest first.
+fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (i, &l) in logits.iter().enumerate() {
+        if l == f32::NEG_INFINITY || (top.len() == k && l <= top[k - 1].1) {
+            continue;
+        }
+        let at = top.partition_point(|&(_, t)| t >= l);
+        top.insert(at, (i as u32, l));
+        top.truncate(k);
+    }
+    top
 }
 
 /// A window to decode: its cross-attention keys/values (one row), prompt and options.
@@ -192,16 +214,30 @@ pub(crate) struct Window {
     pub cross: CrossKv,
     pub prompt: Vec<u32>,
     pub timestamps: bool,
-    /// The first temperature tried: 0 decodes greedily.
+    /// The first temperature tried: 0 decodes greedily, or by beam search.
     pub temperature: f64,
+    /// Hypotheses a beam search keeps at temperature 0 (1: greedy). Sampling at a temperature
+    /// above 0 draws one.
+    pub beam_size: usize,
+    /// Whether a window that decodes badly runs again 0.2 hotter (OpenAI's fallback).
+    pub fallback: bool,
     /// The window's encoder output `(frames, d_model)`, kept where word timestamps are asked
     /// for: handed back with its result.
     pub features: Option<Tensor>,
     /// Seeds the sampling of the temperature fallback.
     pub seed: u64,
-    /// Give up (result `None`) instead of the temperature fallback when greedy decoding looks
-    /// degenerate: the caller has a better retry (the full 30 s of a trimmed window).
+    /// Give up (result `None`) instead of the temperature fallback when its first decoding
+    /// looks degenerate: the caller has a better retry (the full 30 s of a trimmed window).
     pub give_up: bool,
+}
+
+/// One hypothesis of a window, holding one row of the decoder batch.
+#[derive(Clone)]
+struct Beam {
+    /// The prompt, then the tokens sampled so far.
+    tokens: Vec<u32>,
+    /// Log-probability of the sampled tokens.
+    sum_logprob: f64,
 }
 
 /// A window in the running batch, at one temperature.
@@ -209,16 +245,20 @@ struct Row {
     window: Window,
     temperature: f64,
     rng: Rng,
-    /// The prompt, then the tokens sampled so far.
-    tokens: Vec<u32>,
-    /// Tokens fed through the decoder so far.
+    /// Its hypotheses, one decoder row each, all of the same length: one until its first
+    /// token, then up to [`Row::width`].
+    beams: Vec<Beam>,
+    /// Where each beam's cache comes from among the beams before the last step; `None` where
+    /// every beam extends its own.
+    sources: Option<Vec<usize>>,
+    /// Finished hypotheses: sampled tokens without EOT, log-probability with it.
+    done: Vec<(Vec<u32>, f64)>,
+    /// Tokens fed through the decoder so far (the same for every beam).
     fed: usize,
-    sum_logprob: f64,
     no_speech_prob: f64,
     /// The best degenerate result of the lower temperatures.
     best: Option<Decoded>,
-    /// Sampled EOT or its last token; it stays in a batch whose rows cannot join until it
-    /// compacts.
+    /// Finished: it stays in a batch whose rows cannot join until it compacts.
     finished: bool,
     /// Its result was handed out.
     reported: bool,
@@ -226,8 +266,13 @@ struct Row {
 
 impl Row {
     fn new(window: Window, temperature: f64, rng: Rng, best: Option<Decoded>) -> Row {
-        let tokens = window.prompt.clone();
-        Row { window, temperature, rng, tokens, fed: 0, sum_logprob: 0.0, no_speech_prob: 0.0, best, finished: false, reported: false }
+        let beams = vec![Beam { tokens: window.prompt.clone(), sum_logprob: 0.0 }];
+        Row { window, temperature, rng, beams, sources: None, done: Vec::new(), fed: 0, no_speech_prob: 0.0, best, finished: false, reported: false }
+    }
+
+    /// Hypotheses kept: the beam size at temperature 0, else one sample.
+    fn width(&self) -> usize {
+        if self.temperature > 0.0 { 1 } else { self.window.beam_size.max(1) }
     }
 
     /// Whether the token just fed was the SOT, where OpenAI reads the no-speech probability.
@@ -235,13 +280,23 @@ impl Row {
         sp.no_speech.is_some() && self.fed > 0 && self.window.prompt.iter().position(|&t| t == sp.sot) == Some(self.fed - 1)
     }
 
-    fn sampled(&self) -> &[u32] {
-        &self.tokens[self.window.prompt.len()..]
-    }
-
-    fn decoded(&self) -> Decoded {
-        let tokens = self.sampled().to_vec();
-        Decoded { avg_logprob: self.sum_logprob / tokens.len().max(1) as f64, tokens, no_speech_prob: self.no_speech_prob, audio: None }
+    /// Its result: of the finished hypotheses the one with the best log-probability per token
+    /// (length penalty 1, faster-whisper's default; OpenAI's ranking without one).
+    fn decoded(&self, text: &dyn Fn(&[u32]) -> String) -> Decoded {
+        let best = self
+            .done
+            .iter()
+            .max_by(|a, b| (a.1 / a.0.len().max(1) as f64).total_cmp(&(b.1 / b.0.len().max(1) as f64)))
+            .cloned()
+            .unwrap_or_default();
+        let (tokens, sum) = best;
+        Decoded {
+            avg_logprob: sum / (tokens.len() + 1) as f64,
+            compression_ratio: compression_ratio(text(&tokens).trim()),
+            tokens,
+            no_speech_prob: self.no_speech_prob,
+            audio: None,
+        }
     }
 
     /// Its result with what it keeps for word timestamps.
@@ -249,25 +304,98 @@ impl Row {
         d.audio = self.window.features.clone().map(|f| (self.window.cross.clone(), f));
         d
     }
+
+    /// Takes the logits of its beams after a step that fed the SOT or the end of what it was
+    /// fed, and picks: the greedy or sampled token, or the next beams as faster-whisper's
+    /// beam search (CTranslate2's `BeamSearch`, patience 1, length penalty 1): of the `2 *
+    /// width` likeliest continuations of all beams, the first `width` go on, but those ending
+    /// in EOT, which finish and leave their place to the next continuation that does not end.
+    /// The search ends once `width` hypotheses have finished.
+    fn advance(&mut self, mut logits: Vec<Vec<f32>>, sp: &Specials, max_ctx: usize) {
+        if let (Some(ns), true, Some(first)) = (sp.no_speech, self.just_fed_sot(sp), logits.first()) {
+            self.no_speech_prob = f64::from(first[ns as usize] - log_sum_exp(first)).exp();
+        }
+        if self.fed < self.beams[0].tokens.len() {
+            return;
+        }
+        let width = self.width();
+        let begin = self.window.prompt.len();
+        // (log-probability of the hypothesis, beam it extends, token)
+        let mut candidates: Vec<(f64, usize, u32)> = Vec::new();
+        for (j, (beam, logits)) in self.beams.iter().zip(logits.iter_mut()).enumerate() {
+            apply_rules(logits, &beam.tokens[begin..], sp, self.window.timestamps);
+            let lse = log_sum_exp(logits);
+            if width == 1 {
+                let next = pick(logits, self.temperature, &mut self.rng);
+                candidates.push((beam.sum_logprob + f64::from(logits[next as usize] - lse), j, next));
+            } else {
+                candidates.extend(top_k(logits, 2 * width).into_iter().map(|(t, l)| (beam.sum_logprob + f64::from(l - lse), j, t)));
+            }
+        }
+        candidates.sort_by(|a, b| b.0.total_cmp(&a.0));
+        candidates.truncate(2 * width);
+        let mut beams = Vec::with_capacity(width);
+        let mut sources = Vec::with_capacity(width);
+        let mut spare = width;
+        for k in 0..width.min(candidates.len()) {
+            let mut chosen = candidates[k];
+            if chosen.2 == sp.eot {
+                self.done.push((self.beams[chosen.1].tokens[begin..].to_vec(), chosen.0));
+                match candidates[spare.min(candidates.len())..].iter().position(|c| c.2 != sp.eot) {
+                    Some(at) => {
+                        chosen = candidates[spare + at];
+                        spare += at + 1;
+                    }
+                    None => {
+                        spare = candidates.len();
+                        continue;
+                    }
+                }
+            }
+            let (score, j, token) = chosen;
+            let from = &self.beams[j];
+            let mut tokens = Vec::with_capacity(from.tokens.len() + 1);
+            tokens.extend_from_slice(&from.tokens);
+            tokens.push(token);
+            beams.push(Beam { tokens, sum_logprob: score });
+            sources.push(j);
+        }
+        let full = beams.first().is_none_or(|b| b.tokens.len() - begin >= SAMPLE_LEN || b.tokens.len() >= max_ctx);
+        if self.done.len() >= width || full {
+            if full {
+                // Out of room: the beams still open count as finished.
+                self.done.extend(beams.iter().map(|b| (b.tokens[begin..].to_vec(), b.sum_logprob)));
+            }
+            // Its caches stay as they are until it leaves the batch.
+            self.finished = true;
+            return;
+        }
+        let moved = sources.len() != self.beams.len() || sources.iter().enumerate().any(|(k, &j)| k != j);
+        self.sources = moved.then_some(sources);
+        self.beams = beams;
+    }
 }
 
-/// Greedy decoding of many windows at once, one token per row per step (self-attention
-/// cache), with OpenAI's temperature fallback. Each row stops at its own EOT and, where the
-/// decoder keeps one cache per row and packed cross-attention (F32 on CPUs with AVX-512 BF16),
-/// leaves the batch at once, and a window waiting takes its place at the next step: the short
-/// clips of a batch end many steps before its longest, and every step costs in proportion to
-/// its rows. Elsewhere rows join only an empty batch, and finished rows are fed EOT (outputs
-/// ignored) until they are a quarter of it, then leave together.
+/// Decoding of many windows at once, one token per hypothesis per step (self-attention
+/// cache): greedy, by beam search, or sampled, with OpenAI's temperature fallback. Each window
+/// stops at its own end and, where the decoder keeps one cache per row and packed
+/// cross-attention (F32 on CPUs with AVX-512 BF16), leaves the batch at once, and a window
+/// waiting takes its place at the next step: the short clips of a batch end many steps
+/// before its longest, and every step costs in proportion to its rows. Elsewhere windows join
+/// only an empty batch, and finished ones are fed EOT (outputs ignored) until they are a
+/// quarter of it, then leave together.
 ///
-/// A row's result does not depend on the rows decoding beside it: each row feeds its own
+/// A window's result does not depend on the windows decoding beside it: each feeds its own
 /// prompt, keeps its own seed, and (with one cache per row) attends over its own positions.
 pub(crate) struct WindowBatch<'a> {
     decoder: &'a Decoder,
     sp: &'a Specials,
+    /// Text of sampled tokens, for the compression ratio.
+    text: &'a (dyn Fn(&[u32]) -> String + Sync),
     capacity: usize,
     rows: Vec<Row>,
     kv: SelfKv,
-    /// The rows' cross-attention keys/values, in row order; `None` while it must be rebuilt.
+    /// One row per hypothesis of the rows, in row order; `None` while it must be rebuilt.
     cross: Option<CrossKv>,
     /// Windows waiting for a row: new ones and fallbacks at the next temperature.
     waiting: std::collections::VecDeque<Row>,
@@ -286,9 +414,10 @@ pub struct DecodeStats {
 }
 
 impl<'a> WindowBatch<'a> {
-    /// An empty batch of at most `capacity` rows (at least 1).
-    pub fn new(decoder: &'a Decoder, sp: &'a Specials, capacity: usize) -> Self {
-        WindowBatch { decoder, sp, capacity: capacity.max(1), rows: Vec::new(), kv: decoder.new_self_kv(), cross: None, waiting: Default::default(), stats: DecodeStats::default() }
+    /// An empty batch of at most `capacity` windows (at least 1); a window searching with `n`
+    /// beams holds `n` decoder rows.
+    pub fn new(decoder: &'a Decoder, sp: &'a Specials, text: &'a (dyn Fn(&[u32]) -> String + Sync), capacity: usize) -> Self {
+        WindowBatch { decoder, sp, text, capacity: capacity.max(1), rows: Vec::new(), kv: decoder.new_self_kv(), cross: None, waiting: Default::default(), stats: DecodeStats::default() }
     }
 
     /// Whether windows join while others decode: one cache per row, and cross-attention keys
@@ -311,7 +440,7 @@ impl<'a> WindowBatch<'a> {
         self.stats
     }
 
-    /// Rows decoding now.
+    /// Windows decoding now.
     pub fn running(&self) -> usize {
         self.rows.len()
     }
@@ -335,7 +464,7 @@ impl<'a> WindowBatch<'a> {
         self.rows.drain(..).chain(self.waiting.drain(..)).filter(|r| !r.reported).map(|r| r.window.tag).collect()
     }
 
-    /// Seats waiting windows in free rows.
+    /// Seats waiting windows in free rows (one decoder row each until their first token).
     fn seat(&mut self) -> Result<()> {
         let joins = self.rows_join();
         if self.waiting.is_empty() || (!self.rows.is_empty() && !joins) {
@@ -391,83 +520,94 @@ impl<'a> WindowBatch<'a> {
         Ok(())
     }
 
-    /// Drops finished rows from the batch: at once where rows join, else once they are a
-    /// quarter of it.
-    fn compact(&mut self) -> Result<()> {
+    /// Brings the caches in line with the rows: each beam search's beams take the caches of
+    /// the beams they extend, and finished windows leave (at once where rows join, else once
+    /// they are a quarter of the batch). `held[r]` is the decoder rows row `r` held.
+    fn rearrange(&mut self, held: &[usize]) -> Result<()> {
         let finished = self.rows.iter().filter(|r| r.finished).count();
-        if finished == 0 || (!self.rows_join() && finished * 4 < self.rows.len() && finished < self.rows.len()) {
+        let leave = finished > 0 && (self.rows_join() || finished * 4 >= self.rows.len() || finished == self.rows.len());
+        if !leave && self.rows.iter().all(|r| r.sources.is_none()) {
             return Ok(());
         }
-        let keep: Vec<usize> = (0..self.rows.len()).filter(|&j| !self.rows[j].finished).collect();
-        if keep.is_empty() {
-            self.rows.clear();
+        let mut gather = Vec::new();
+        let mut at = 0;
+        for (r, &n) in self.rows.iter_mut().zip(held) {
+            if !(leave && r.finished) {
+                match r.sources.take() {
+                    Some(sources) => gather.extend(sources.iter().map(|&j| at + j)),
+                    None => gather.extend(at..at + n),
+                }
+            }
+            at += n;
+        }
+        if leave {
+            self.rows.retain(|r| !r.finished);
+        }
+        if self.rows.is_empty() {
             self.cross = None;
             self.kv = self.decoder.new_self_kv();
             return Ok(());
         }
-        self.kv.select(&keep)?;
-        self.cross = Some(self.cross.as_ref().expect("rows have keys").select(&keep)?);
-        let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows).into_iter().map(Some).collect();
-        self.rows = keep.iter().map(|&j| rows[j].take().expect("kept once")).collect();
+        self.kv.select(&gather)?;
+        self.cross = Some(self.cross.as_ref().expect("rows have keys").select(&gather)?);
         Ok(())
     }
 
-    /// Seats waiting windows, feeds every row its next token, and samples where the prompt is
-    /// fed. Returns the windows that finished: `(tag, result)`, `None` for a window that gave
-    /// up (see [`Window::give_up`]).
+    /// Seats waiting windows, feeds every hypothesis its next token, and samples where the
+    /// prompt is fed. Returns the windows that finished: `(tag, result)`, `None` for a window
+    /// that gave up (see [`Window::give_up`]).
     pub fn step(&mut self) -> Result<Vec<(usize, Option<Decoded>)>> {
         self.seat()?;
         if self.rows.is_empty() {
             return Ok(Vec::new());
         }
         let sp = self.sp;
-        let tokens: Vec<u32> = self.rows.iter().map(|r| r.tokens.get(r.fed).copied().unwrap_or(sp.eot)).collect();
+        let held: Vec<usize> = self.rows.iter().map(|r| r.beams.len()).collect();
+        let tokens: Vec<u32> = self.rows.iter().flat_map(|r| r.beams.iter().map(move |b| b.tokens.get(r.fed).copied().unwrap_or(sp.eot))).collect();
         let hidden = self.decoder.step(&tokens, self.cross.as_ref().expect("rows have keys"), &mut self.kv)?;
         self.stats.steps += 1;
         // Logits only for rows that read them: at the SOT (no-speech probability) or at the
         // end of what they were fed (the next token).
+        let mut wanted: Vec<u32> = Vec::new();
+        let mut at = 0;
         let is_wanted: Vec<bool> = self
             .rows
             .iter_mut()
-            .map(|r| {
+            .zip(&held)
+            .map(|(r, &n)| {
                 r.fed += 1;
-                !r.finished && (r.just_fed_sot(sp) || r.fed == r.tokens.len())
+                let want = !r.finished && (r.just_fed_sot(sp) || r.fed == r.beams[0].tokens.len());
+                if want {
+                    wanted.extend((at..at + n).map(|k| k as u32));
+                }
+                at += n;
+                want
             })
             .collect();
-        let wanted: Vec<usize> = (0..is_wanted.len()).filter(|&j| is_wanted[j]).collect();
-        let logits = if wanted.is_empty() {
+        let mut logits = if wanted.is_empty() {
             Vec::new()
         } else {
-            let index = Tensor::from_vec(wanted.iter().map(|&j| j as u32).collect::<Vec<_>>(), wanted.len(), hidden.device())?;
+            let index = Tensor::from_vec(wanted.clone(), wanted.len(), hidden.device())?;
             self.decoder.logits_vecs(&hidden.index_select(&index, 0)?, 0)?
-        };
+        }
+        .into_iter();
         let max_ctx = self.decoder.max_positions();
-        let picked: Vec<&mut Row> = self.rows.iter_mut().zip(is_wanted).filter(|(_, w)| *w).map(|(r, _)| r).collect();
-        // The rules and picks of the rows are independent: a few passes over 51k logits each.
-        picked.into_par_iter().zip(logits).for_each(|(r, mut logits)| {
-            if let (Some(ns), true) = (sp.no_speech, r.just_fed_sot(sp)) {
-                r.no_speech_prob = f64::from(logits[ns as usize] - log_sum_exp(&logits)).exp();
-            }
-            if r.fed < r.tokens.len() {
-                return;
-            }
-            apply_rules(&mut logits, r.sampled(), sp, r.window.timestamps);
-            let next = pick(&logits, r.temperature, &mut r.rng);
-            if next == sp.eot {
-                r.finished = true;
-                return;
-            }
-            r.sum_logprob += f64::from(logits[next as usize] - log_sum_exp(&logits));
-            r.tokens.push(next);
-            if r.sampled().len() >= SAMPLE_LEN || r.tokens.len() >= max_ctx {
-                r.finished = true;
-            }
-        });
+        let picked: Vec<(&mut Row, Vec<Vec<f32>>)> = self
+            .rows
+            .iter_mut()
+            .zip(is_wanted)
+            .zip(&held)
+            .filter(|((_, w), _)| *w)
+            .map(|((r, _), &n)| (r, logits.by_ref().take(n).collect()))
+            .collect();
+        // The rules and picks of the windows are independent: a few passes over 51k logits
+        // per hypothesis.
+        picked.into_par_iter().for_each(|(r, logits)| r.advance(logits, sp, max_ctx));
         let mut out = Vec::new();
         let mut rerun = Vec::new();
         for r in self.rows.iter_mut().filter(|r| r.finished && !r.reported) {
             r.reported = true;
-            let d = r.decoded();
+            let d = r.decoded(self.text);
             if !needs_fallback(&d) {
                 out.push((r.window.tag, Some(r.answer(d))));
                 continue;
@@ -477,12 +617,15 @@ impl<'a> WindowBatch<'a> {
                 out.push((r.window.tag, None));
                 continue;
             }
+            // Of the degenerate results, the likeliest of those not too repetitive (faster-
+            // whisper's choice when every temperature fails).
+            let rank = |d: &Decoded| (d.compression_ratio <= COMPRESSION_RATIO_THRESHOLD, d.avg_logprob);
             let best = match r.best.take() {
-                Some(b) if b.avg_logprob >= d.avg_logprob => b,
+                Some(b) if rank(&b).0 > rank(&d).0 || (rank(&b).0 == rank(&d).0 && b.avg_logprob >= d.avg_logprob) => b,
                 _ => d,
             };
             let next = r.temperature + TEMPERATURE_STEP;
-            if next > MAX_TEMPERATURE + 1e-6 {
+            if !r.window.fallback || next > MAX_TEMPERATURE + 1e-6 {
                 out.push((r.window.tag, Some(r.answer(best))));
                 continue;
             }
@@ -490,7 +633,7 @@ impl<'a> WindowBatch<'a> {
             rerun.push(Row::new(r.window.clone(), next, r.rng.clone(), Some(best)));
         }
         self.waiting.extend(rerun);
-        self.compact()?;
+        self.rearrange(&held)?;
         Ok(out)
     }
 }
@@ -500,10 +643,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn repetition_ratio_flags_loops() {
-        let normal: Vec<u32> = (0..40).collect();
-        assert!(repetition_ratio(&normal) < 1.1);
-        let looped: Vec<u32> = (0..40).map(|i| i % 3).collect();
-        assert!(repetition_ratio(&looped) > COMPRESSION_RATIO_THRESHOLD);
+    fn compression_ratio_flags_loops() {
+        let speech = "He was not an ill-disposed young man, unless to be rather cold hearted and rather selfish is to be ill-disposed.";
+        assert!(compression_ratio(speech) < 1.5, "{}", compression_ratio(speech));
+        let looped = "and then the, ".repeat(12);
+        assert!(compression_ratio(&looped) > COMPRESSION_RATIO_THRESHOLD, "{}", compression_ratio(&looped));
+        assert_eq!(compression_ratio(""), 0.0);
+    }
+
+    #[test]
+    fn top_k_takes_the_likeliest_first_and_skips_suppressed() {
+        let logits = [0.5, f32::NEG_INFINITY, 2.0, -1.0, 1.5, 2.0];
+        assert_eq!(top_k(&logits, 3), vec![(2, 2.0), (5, 2.0), (4, 1.5)]);
+        assert_eq!(top_k(&[f32::NEG_INFINITY, 0.0], 4), vec![(1, 0.0)]);
     }
 }

@@ -188,6 +188,7 @@ fn padding_mask(frames: &[usize], total: usize, device: &Device, dtype: DType) -
 /// One window's self-attention keys (scaled) and values on the CPU, per layer, `(len,
 /// d_model)` with the heads side by side: each row of a running batch keeps its own, so
 /// windows join and leave the batch at any step without copying the others'.
+#[derive(Clone)]
 pub(crate) struct RowKv {
     layers: Vec<(Vec<f32>, Vec<f32>)>,
     len: usize,
@@ -208,12 +209,22 @@ impl SelfKv {
         matches!(self, SelfKv::Rows(_))
     }
 
-    /// Keeps the caches of `rows`, in that order.
+    /// Keeps the caches of `rows`, in that order; a row named more than once is copied (the
+    /// beams of a search that extend one beam).
     pub fn select(&mut self, rows: &[usize]) -> Result<()> {
         match self {
             SelfKv::Rows(all) => {
+                let mut uses = vec![0usize; all.len()];
+                rows.iter().for_each(|&r| uses[r] += 1);
                 let mut taken: Vec<Option<RowKv>> = std::mem::take(all).into_iter().map(Some).collect();
-                *all = rows.iter().map(|&r| taken[r].take().expect("rows selected once")).collect();
+                *all = rows
+                    .iter()
+                    .map(|&r| {
+                        uses[r] -= 1;
+                        // The last use takes the cache; earlier ones copy it.
+                        if uses[r] == 0 { taken[r].take() } else { taken[r].clone() }.expect("a row is taken at its last use")
+                    })
+                    .collect();
             }
             SelfKv::Batch(cache) => *cache = cache.select(rows)?,
         }
@@ -664,7 +675,7 @@ impl Decoder {
 
         // MLP.
         let h = layer.mlp_ln.forward(&x)?;
-        let h = layer.fc2.forward(&tern_kernels::cpu_ops::gelu(&layer.fc1.forward(&h)?, tern_kernels::cpu_ops::Gelu::Tanh)?)?;
+        let h = layer.fc2.forward(&tern_kernels::cpu_ops::gelu(&layer.fc1.forward(&h)?, tern_kernels::cpu_ops::Gelu::Erf)?)?;
         x = (x + h)?;
         Ok(x)
     }

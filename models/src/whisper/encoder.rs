@@ -228,12 +228,12 @@ impl Encoder {
         let mel = mel.to_dtype(self.positions.dtype())?;
         let x = match &self.bf16_convs {
             Some((conv1, conv2)) => {
-                let x = gelu(&conv1.forward(&mel.transpose(1, 2)?)?, Gelu::Tanh)?;
-                gelu(&conv2.forward(&x)?, Gelu::Tanh)?
+                let x = gelu(&conv1.forward(&mel.transpose(1, 2)?)?, Gelu::Erf)?;
+                gelu(&conv2.forward(&x)?, Gelu::Erf)?
             }
             None => {
-                let x = gelu(&self.conv1.forward(&mel)?, Gelu::Tanh)?;
-                gelu(&self.conv2.forward(&x)?, Gelu::Tanh)?.transpose(1, 2)?
+                let x = gelu(&self.conv1.forward(&mel)?, Gelu::Erf)?;
+                gelu(&self.conv2.forward(&x)?, Gelu::Erf)?.transpose(1, 2)?
             }
         };
         let (b, len, d) = x.dims3()?;
@@ -276,9 +276,9 @@ impl Encoder {
             frames.push(n);
             columns.push(mel.squeeze(0)?.t()?.to_dtype(self.positions.dtype())?);
         }
-        let x = gelu(&conv1.forward_rows(&Tensor::cat(&columns, 0)?, &frames)?, Gelu::Tanh)?;
+        let x = gelu(&conv1.forward_rows(&Tensor::cat(&columns, 0)?, &frames)?, Gelu::Erf)?;
         drop(columns);
-        let x = gelu(&conv2.forward_rows(&x, &frames)?, Gelu::Tanh)?;
+        let x = gelu(&conv2.forward_rows(&x, &frames)?, Gelu::Erf)?;
         let lens: Vec<usize> = frames.iter().map(|&n| n / 2).collect();
         let index: Vec<u32> = lens.iter().flat_map(|&n| 0..n as u32).collect();
         let x = (x + self.positions.index_select(&Tensor::new(index.as_slice(), self.positions.device())?, 0)?)?;
@@ -310,7 +310,7 @@ impl Encoder {
             let o = attend(&q, &k, &v)?;
             x = (x + block.out.forward(&o)?)?;
             let y = block.mlp_ln.forward(&x)?;
-            x = (&x + block.fc2.forward(&gelu(&block.fc1.forward(&y)?, Gelu::Tanh)?)?)?;
+            x = (&x + block.fc2.forward(&gelu(&block.fc1.forward(&y)?, Gelu::Erf)?)?)?;
         }
         self.ln_post.forward(&x)
     }
@@ -367,7 +367,7 @@ impl Encoder {
             layer_norm_to_pairs(x, d, &gamma, &beta, eps, &mut normed);
             let next = OutPtr(activated.as_mut_ptr());
             packed(&block.fc1)?.pair_rows_each(&normed, rows, |r, c0, values| {
-                cpu_kernels::gelu_in_place(values);
+                cpu_kernels::gelu_erf_in_place(values);
                 // SAFETY: as above; `c0` is even, so this piece's pairs are its own.
                 bf16_gemm::row_to_bf16(values, unsafe { next.slice(r * hidden_pairs + c0 / 2, values.len().div_ceil(2)) });
             });

@@ -55,45 +55,70 @@ pub(crate) fn mel_filters(n_mels: usize) -> Vec<f32> {
     w
 }
 
-/// Log-mel of one window (at most 30 s of 16 kHz samples) as a `(1, n_mels, frames)` tensor:
-/// the first `frames` (at most 3000) of the window zero-padded to 30 s as Whisper expects, with
-/// the normalisation of the whole padded window.
+/// Samples of silence faster-whisper appends to a recording before its spectrogram, so its
+/// last frame is whole (its `FeatureExtractor(padding=160)`).
+const END_PADDING: usize = m::HOP_LENGTH;
+
+/// Log-mel of the window `range` of a recording (16 kHz samples) as a `(1, n_mels, frames)`
+/// tensor, as faster-whisper and OpenAI compute it: see [`log_mel`]. The first `frames` (at
+/// most 3000) of the window's features, the frames past its audio 0.0.
 pub(crate) fn window_mel(
     cfg: &Config,
     filters: &[f32],
-    samples: &[f32],
+    pcm: &[f32],
+    range: (usize, usize),
     frames: usize,
     device: &Device,
 ) -> Result<Tensor> {
     let n_mels = cfg.num_mel_bins;
-    let mut mel = log_mel(samples, filters, n_mels);
     let frames = frames.min(m::N_FRAMES);
-    if frames < m::N_FRAMES {
-        for j in 0..n_mels {
-            mel.copy_within(j * m::N_FRAMES..j * m::N_FRAMES + frames, j * frames);
-        }
-        mel.truncate(n_mels * frames);
-    }
+    let mel = log_mel(pcm, range, filters, n_mels, frames);
     Ok(Tensor::from_vec(mel, (1, n_mels, frames), device)?)
 }
 
-/// Whisper's log-mel spectrogram of one window, `n_mels x N_FRAMES` row-major.
+/// Sample `t` of the recording as the reference's centred STFT reads it: the recording with
+/// [`END_PADDING`] zeros appended, reflected (without repeating the edge sample) before its
+/// start and after its end, as numpy's `pad(mode="reflect")` and torch's `stft(center=True)`.
+fn centred_sample(pcm: &[f32], t: isize) -> f32 {
+    let n = (pcm.len() + END_PADDING) as isize;
+    let mut t = t;
+    // One reflection suffices but for recordings shorter than half the FFT; the loop folds on.
+    while t < 0 || t >= n {
+        t = if t < 0 { -t } else { 2 * (n - 1) - t };
+    }
+    pcm.get(t as usize).copied().unwrap_or(0.0)
+}
+
+/// Whisper's log-mel features of the window `range` of a recording, `n_mels x frames`
+/// row-major, equal to faster-whisper's (`FeatureExtractor`, then `pad_or_trim` of a segment)
+/// and, over the audio, to OpenAI's `log_mel_spectrogram`:
 ///
-/// Same maths as candle's `pcm_to_mel` (Hann window, frames at every hop with no centring,
-/// power spectrum with the mirrored half folded in, log10 floored at 1e-10, clamped to max - 8,
-/// then `/4 + 1`), but with a real FFT from realfft and no thread spawning: candle's radix-2
-/// FFT recursion bottoms out in a 25-point DFT and took ~250 ms per window, this takes a few ms.
-pub(crate) fn log_mel(samples: &[f32], filters: &[f32], n_mels: usize) -> Vec<f32> {
+/// - frame `i` is centred on sample `range.0 + 160 i`: a periodic Hann window over 400 samples
+///   of the recording, reflected at its start and at its end (after 160 zeros); at a cut
+///   inside the recording the frame reads the audio on either side, as the reference's
+///   features of the whole recording do;
+/// - power spectrum (FFT in f64: the quietest bins lose precision in f32), Slaney filterbank,
+///   `log10` floored at 1e-10, clamped to 8 below the window's loudest, then `(x + 4) / 4`;
+/// - the window holds `(range.1 - range.0) / 160` frames of audio; at the recording's end one
+///   more frame (holding the padding) counts towards the loudest but is not output, as in
+///   faster-whisper; frames after the audio are 0.0, as its `pad_or_trim` fills them.
+///
+/// faster-whisper takes the loudest frame of the whole recording; here it is the window's,
+/// which is the same for recordings of one window.
+pub(crate) fn log_mel(pcm: &[f32], range: (usize, usize), filters: &[f32], n_mels: usize, frames: usize) -> Vec<f32> {
     use realfft::RealFftPlanner;
-    let samples = &samples[..samples.len().min(m::N_SAMPLES)];
     let n_fft = m::N_FFT;
     let n_bins = n_fft / 2 + 1;
     let hop = m::HOP_LENGTH;
-    let n_frames = m::N_FRAMES;
-    let hann: Vec<f32> = (0..n_fft)
-        .map(|i| 0.5 * (1.0 - (2.0 * std::f32::consts::PI * i as f32 / n_fft as f32).cos()))
+    let (start, end) = (range.0.min(pcm.len()), range.1.min(pcm.len()));
+    let audio = (end - start.min(end)) / hop;
+    let content = audio.min(frames);
+    // The frame after the audio at the recording's end counts towards the loudest.
+    let measured = audio + usize::from(end == pcm.len());
+    let hann: Vec<f64> = (0..n_fft)
+        .map(|i| 0.5 * (1.0 - (2.0 * std::f64::consts::PI * i as f64 / n_fft as f64).cos()))
         .collect();
-    let fft = RealFftPlanner::<f32>::new().plan_fft_forward(n_fft);
+    let fft = RealFftPlanner::<f64>::new().plan_fft_forward(n_fft);
     let mut frame = fft.make_input_vec();
     let mut spectrum = fft.make_output_vec();
     let mut scratch = fft.make_scratch_vec();
@@ -110,32 +135,32 @@ pub(crate) fn log_mel(samples: &[f32], filters: &[f32], n_mels: usize) -> Vec<f3
             (first, last)
         })
         .collect();
-    // Frames past the audio are silence: log10 of the 1e-10 floor, as for zero padding.
-    let mut mel = vec![1e-10f32.log10(); n_mels * n_frames];
-    let end = (samples.len() / hop + 1).min(n_frames);
-    for i in 0..end {
-        let offset = i * hop;
-        let avail = (samples.len() - offset).min(n_fft);
-        for j in 0..avail {
-            frame[j] = hann[j] * samples[offset + j];
+    let mut log = vec![0f32; n_mels * measured];
+    for i in 0..measured {
+        let first = (start + i * hop) as isize - (n_fft / 2) as isize;
+        let inside = first >= 0 && first as usize + n_fft <= pcm.len();
+        for (j, slot) in frame.iter_mut().enumerate() {
+            let x = if inside { pcm[first as usize + j] } else { centred_sample(pcm, first + j as isize) };
+            // The reference windows in f32: round the product there too.
+            *slot = f64::from((hann[j] as f32) * x);
         }
-        frame[avail..].fill(0.0);
         fft.process_with_scratch(&mut frame, &mut spectrum, &mut scratch)
             .expect("buffer sizes come from the planner");
-        for (k, c) in spectrum.iter().enumerate() {
-            let p = c.re * c.re + c.im * c.im;
-            // candle (after whisper.cpp) adds the mirrored bin N-k for k in 1..N/2: double them.
-            power[k] = if k >= 1 && k < n_fft / 2 { 2.0 * p } else { p };
+        for (p, c) in power.iter_mut().zip(&spectrum) {
+            *p = (c.re * c.re + c.im * c.im) as f32;
         }
         for (j, &(first, last)) in spans.iter().enumerate() {
             let row = &filters[j * n_bins + first..j * n_bins + last];
             let sum: f32 = row.iter().zip(&power[first..last]).map(|(w, p)| w * p).sum();
-            mel[j * n_frames + i] = sum.max(1e-10).log10();
+            log[j * measured + i] = sum.max(1e-10).log10();
         }
     }
-    let mmax = mel.iter().copied().fold(f32::NEG_INFINITY, f32::max) - 8.0;
-    for v in mel.iter_mut() {
-        *v = v.max(mmax) / 4.0 + 1.0;
+    let floor = log.iter().copied().fold(f32::NEG_INFINITY, f32::max) - 8.0;
+    let mut mel = vec![0f32; n_mels * frames];
+    for j in 0..n_mels {
+        for i in 0..content {
+            mel[j * frames + i] = (log[j * measured + i].max(floor) + 4.0) / 4.0;
+        }
     }
     mel
 }
@@ -159,42 +184,37 @@ mod tests {
         }
     }
 
-    /// The realfft path must reproduce candle's `pcm_to_mel` (first 3000 frames).
+    /// Padding as numpy's `pad(mode="reflect")` after the 160 zeros faster-whisper appends.
     #[test]
-    fn log_mel_matches_candle() {
-        let cfg = Config {
-            num_mel_bins: 80,
-            max_source_positions: 1500,
-            d_model: 384,
-            encoder_attention_heads: 6,
-            encoder_layers: 4,
-            vocab_size: 51864,
-            max_target_positions: 448,
-            decoder_attention_heads: 6,
-            decoder_layers: 4,
-            suppress_tokens: vec![],
-        };
+    fn samples_outside_the_recording_reflect_after_the_end_padding() {
+        let pcm = [1.0f32, 2.0, 3.0, 4.0];
+        let read = |t: isize| centred_sample(&pcm, t);
+        assert_eq!([read(-3), read(-2), read(-1), read(0), read(3)], [4.0, 3.0, 2.0, 1.0, 4.0]);
+        // 4 samples then 160 zeros: index 163 is the last zero, 164 reflects 162 (a zero).
+        assert_eq!(read(4), 0.0);
+        assert_eq!(read(2 * 163 - 3), 4.0);
+    }
+
+    #[test]
+    fn a_window_holds_a_frame_per_hop_of_audio_and_zeros_after() {
         let filters = mel_filters(80);
-        for secs in [0.3f32, 7.0, 30.0] {
-            let n = (secs * 16_000.0) as usize;
-            let mut x = 12345u32;
-            let samples: Vec<f32> = (0..n)
-                .map(|i| {
-                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    let noise = (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
-                    0.3 * (i as f32 * 0.05).sin() + 0.05 * noise
-                })
-                .collect();
-            let ours = log_mel(&samples, &filters, 80);
-            let theirs = m::audio::pcm_to_mel(&cfg, &samples, &filters);
-            let n_len = theirs.len() / 80;
-            let mut worst = 0f32;
-            for j in 0..80 {
-                for i in 0..m::N_FRAMES {
-                    worst = worst.max((ours[j * m::N_FRAMES + i] - theirs[j * n_len + i]).abs());
-                }
+        let pcm: Vec<f32> = (0..16_000 * 3 + 77).map(|i| (i as f32 * 0.05).sin() * 0.3).collect();
+        let mel = log_mel(&pcm, (0, pcm.len()), &filters, 80, 3000);
+        let content = pcm.len() / 160;
+        for j in 0..80 {
+            let row = &mel[j * 3000..(j + 1) * 3000];
+            assert!(row[content..].iter().all(|&v| v == 0.0), "mel {j} past the audio");
+        }
+        let loudest = mel.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        assert!(loudest.is_finite() && loudest > 0.5, "{loudest}");
+        // A window cut inside the recording reads the audio across the cut, as the features of
+        // the whole recording do: a steady tone gives the same frames either way.
+        let inner = log_mel(&pcm, (16_000, 32_000), &filters, 80, 100);
+        for j in 0..80 {
+            for i in 0..100 {
+                let whole = mel[j * 3000 + 100 + i];
+                assert!((inner[j * 100 + i] - whole).abs() < 1e-3, "mel {j} frame {i}: {} against {whole}", inner[j * 100 + i]);
             }
-            assert!(worst < 1e-3, "{secs} s: max difference {worst}");
         }
     }
 }

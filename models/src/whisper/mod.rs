@@ -2,7 +2,9 @@
 //! so no converted copy of the weights is needed on disk.
 //!
 //! Audio is processed in fixed 30 s windows (Whisper's input size): each window is encoded,
-//! decoded greedily with temperature fallback, and its segments are offset by the window start.
+//! decoded by beam search or greedily with temperature fallback, and its segments are offset by
+//! the window start. Features and decoding rules follow faster-whisper's (the parity test,
+//! `tests/whisper_parity.rs`, holds them to it).
 
 mod attention;
 mod ct2;
@@ -66,9 +68,16 @@ pub struct TranscribeOptions {
     /// `<|startofprev|>` and the prompt's last 223 tokens, as OpenAI's `initial_prompt`. Windows
     /// decode in parallel, so each gets this prompt rather than the text before it. Default none.
     pub prompt: Option<String>,
-    /// The first temperature of each window, 0 to 1: 0 (the default) decodes greedily. A window
-    /// that decodes badly runs again 0.2 hotter, up to 1.
+    /// The first temperature of each window, 0 to 1: 0 (the default) decodes greedily or by
+    /// beam search ([`TranscribeOptions::beam_size`]), above 0 samples.
     pub temperature: f64,
+    /// Hypotheses a beam search keeps at temperature 0, 1 to [`MAX_BEAM_SIZE`]: 1 decodes
+    /// greedily. Default [`DEFAULT_BEAM_SIZE`] (faster-whisper's); each costs a decoder row.
+    pub beam_size: usize,
+    /// Whether a window that decodes badly (compression ratio above 2.4, or mean
+    /// log-probability below -1 without being silence) runs again 0.2 hotter, up to 1
+    /// (OpenAI's and faster-whisper's fallback). Default `true`.
+    pub fallback: bool,
     /// Time each word ([`Segment::words`]) from the cross-attention of the model's alignment
     /// heads. Default `false`: it costs one more decoder pass over each window's text, and
     /// each window keeps its encoder output until it is decoded (2.3 MB in F32 for tiny, 7.7 MB
@@ -77,7 +86,8 @@ pub struct TranscribeOptions {
 }
 
 impl Default for TranscribeOptions {
-    /// Auto language, transcribe, timestamps on, padding trimmed to 2 s.
+    /// Auto language, transcribe, timestamps on, padding trimmed to 2 s, beam search of 5 with
+    /// fallback.
     fn default() -> Self {
         TranscribeOptions {
             language: None,
@@ -86,10 +96,17 @@ impl Default for TranscribeOptions {
             padding: Padding::DEFAULT_TRIMMED,
             prompt: None,
             temperature: 0.0,
+            beam_size: DEFAULT_BEAM_SIZE,
+            fallback: true,
             word_timestamps: false,
         }
     }
 }
+
+/// Default [`TranscribeOptions::beam_size`]: faster-whisper's.
+pub const DEFAULT_BEAM_SIZE: usize = 5;
+/// Largest [`TranscribeOptions::beam_size`].
+pub const MAX_BEAM_SIZE: usize = 16;
 
 /// A timed piece of the transcript. Times are seconds from the start of the audio.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -529,7 +546,7 @@ impl Whisper {
     /// a batch of that size needs at its peak. A model that fails here is not fit to serve.
     pub fn warmup(&mut self, windows: usize) -> Result<()> {
         let silence = vec![0f32; m::N_SAMPLES];
-        let mel = mel::window_mel(&self.config, &self.filters, &silence, m::N_FRAMES, &self.device)?;
+        let mel = mel::window_mel(&self.config, &self.filters, &silence, (0, silence.len()), m::N_FRAMES, &self.device)?;
         let mels = candle_core::Tensor::cat(&vec![mel; windows.max(1)], 0)?;
         let features = self.encoder.forward(&mels, None)?;
         drop(mels);
@@ -544,6 +561,14 @@ impl Whisper {
             bail!("warmup produced non-finite logits");
         }
         Ok(())
+    }
+
+    /// The log-mel features of a recording's first window as the encoder sees it under
+    /// [`Padding::Full`]: `n_mels x 3000` row-major (80 or 128 mels), the frames past the
+    /// window's audio 0.0. Those of faster-whisper, for the parity test.
+    pub fn features(&self, pcm: &[f32]) -> Vec<f32> {
+        let first = window_cuts(pcm)[0];
+        mel::log_mel(pcm, first, &self.filters, self.config.num_mel_bins, m::N_FRAMES)
     }
 
     /// Whether the model handles languages other than English (and language detection).
@@ -571,7 +596,8 @@ impl Whisper {
     /// `progress(done_windows, total_windows)` is called once per window as it finishes;
     /// `total_windows` is [`windows_for`] of the duration. Up to 8 windows decode together
     /// (one read of the decoder weights per step for all of them).
-    /// Greedy decoding, at most 224 tokens per window, with OpenAI's temperature fallback
+    /// Beam search or greedy decoding ([`TranscribeOptions::beam_size`]), at most 224 tokens
+    /// per window, with OpenAI's temperature fallback
     /// (0.2 ... 1.0) for windows that decode badly; windows judged silent (no-speech probability
     /// > 0.6 and low confidence) yield no segments.
     pub fn transcribe(
@@ -632,7 +658,12 @@ impl Whisper {
         let mut queue: VecDeque<Work> = VecDeque::new();
         // Every window encoded, by tag.
         let mut works: Vec<Work> = Vec::new();
-        let mut batch = decode::WindowBatch::new(&self.decoder, &self.specials, capacity);
+        let (tokenizer, eot) = (&self.tokenizer, self.specials.eot);
+        let text = move |ids: &[u32]| {
+            let ids: Vec<u32> = ids.iter().copied().filter(|&t| t < eot).collect();
+            tokenizer.decode(&ids, true).unwrap_or_default()
+        };
+        let mut batch = decode::WindowBatch::new(&self.decoder, &self.specials, &text, capacity);
         loop {
             let mut arrived = 0;
             if queue.len() < capacity {
@@ -689,6 +720,8 @@ impl Whisper {
                                 prompt: self.prompt(opts, &items[work.input]),
                                 timestamps: opts.timestamps,
                                 temperature: opts.temperature.clamp(0.0, 1.0),
+                                beam_size: opts.beam_size.clamp(1, MAX_BEAM_SIZE),
+                                fallback: opts.fallback,
                                 features,
                                 // Seeds follow the window's place in its own recording, so
                                 // batching cannot change what a fallback samples.
@@ -983,9 +1016,8 @@ impl Whisper {
             let mels = rows
                 .par_iter()
                 .map(|&r| {
-                    let (start, end) = works[r].range;
-                    let pcm = &input_of(inputs, works[r].input).pcm[start..end];
-                    mel::window_mel(config, filters, pcm, 2 * positions[r], device)
+                    let pcm = &input_of(inputs, works[r].input).pcm;
+                    mel::window_mel(config, filters, pcm, works[r].range, 2 * positions[r], device)
                 })
                 .collect::<Result<Vec<_>>>()?;
             let cross = if ragged {
