@@ -50,6 +50,8 @@ pub struct Context<'a> {
     pub max_audio_seconds: f64,
     /// How much of a short Whisper window's padding the encoder runs.
     pub whisper_padding: tern_models::whisper::Padding,
+    /// Beam size of transcriptions whose input names none (`TERN_WHISPER_BEAM_SIZE`).
+    pub whisper_beam_size: usize,
 }
 
 /// A failure retrying cannot help (bad input).

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use tern_jobs::file_ref::FileRef;
 use tern_jobs::{Failure, Job};
 use tern_models::audio;
-use tern_models::whisper::{Task, TranscribeOptions, DEFAULT_BEAM_SIZE};
+use tern_models::whisper::{Task, TranscribeOptions};
 
 pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let input = &job.input;
@@ -52,8 +52,9 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         padding: ctx.whisper_padding,
         prompt: input.get("prompt").and_then(Value::as_str).map(str::to_string),
         temperature: input.get("temperature").and_then(Value::as_f64).unwrap_or(0.0),
-        beam_size: input.get("beam_size").and_then(Value::as_u64).map_or(DEFAULT_BEAM_SIZE, |b| b as usize),
+        beam_size: input.get("beam_size").and_then(Value::as_u64).map_or(ctx.whisper_beam_size, |b| b as usize),
         fallback: input.get("temperature_fallback").and_then(Value::as_bool).unwrap_or(true),
+        embed: false,
         word_timestamps: input.get("word_timestamps").and_then(Value::as_bool).unwrap_or(false),
     };
     let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<TranscribeProgress>();
