@@ -480,3 +480,86 @@ fn progress_text_grows_into_the_transcript() {
         }
     }
 }
+
+/// 16-bit mono WAV bytes of `pcm` (in [-1, 1]) at `rate`.
+fn wav_bytes(pcm: &[f32], rate: u32, bits: u16) -> Vec<u8> {
+    let bytes_per = u32::from(bits / 8);
+    let data = pcm.len() as u32 * bytes_per;
+    let mut out = Vec::with_capacity(44 + data as usize);
+    out.extend_from_slice(b"RIFF");
+    out.extend_from_slice(&(36 + data).to_le_bytes());
+    out.extend_from_slice(b"WAVEfmt ");
+    out.extend_from_slice(&16u32.to_le_bytes());
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&rate.to_le_bytes());
+    out.extend_from_slice(&(rate * bytes_per).to_le_bytes());
+    out.extend_from_slice(&(bits / 8).to_le_bytes());
+    out.extend_from_slice(&bits.to_le_bytes());
+    out.extend_from_slice(b"data");
+    out.extend_from_slice(&data.to_le_bytes());
+    for &x in pcm {
+        if bits == 8 {
+            out.push(((x.clamp(-1.0, 1.0) * 127.0).round() as i16 + 128) as u8);
+        } else {
+            out.extend_from_slice(&((x.clamp(-1.0, 1.0) * 32767.0).round() as i16).to_le_bytes());
+        }
+    }
+    out
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Audio embeddings: a recording resampled to 8 kHz (and back, as the service decodes it) or
+/// re-encoded as 8-bit PCM stays nearer its original than any other test recording, and
+/// embeddings computed in one batch equal those computed one by one.
+#[test]
+fn audio_embeddings_keep_a_recording_nearest_itself_and_batch_as_alone() {
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = load(&dir);
+    let mut clips: Vec<(String, Vec<f32>)> = references(&dir).into_iter().map(|(id, _)| { let pcm = clip_pcm(&dir, &id); (id, pcm) }).collect();
+    for card in 1..=5 {
+        if let Ok(bytes) = std::fs::read(dir.join(format!("testdata/cards/00{card}.wav"))) {
+            clips.push((format!("card {card}"), decode_mono_16k(&bytes).unwrap()));
+        }
+    }
+    let opts = TranscribeOptions { embed: true, ..Default::default() };
+    let embed_all = |whisper: &mut Whisper, pcms: &[Vec<f32>], batch: usize| -> Vec<Vec<f32>> {
+        let inputs: Vec<(&[f32], &TranscribeOptions)> = pcms.iter().map(|p| (p.as_slice(), &opts)).collect();
+        whisper.transcribe_many(&inputs, batch, &|_| false, &mut |_, _| {}).into_iter().map(|r| {
+            let t = r.unwrap();
+            assert!(t.text.is_empty() && t.segments.is_empty());
+            let e = t.embedding.expect("an embedding");
+            assert_eq!(e.windows.len(), 1);
+            assert!((cosine(&e.vector, &e.vector) - 1.0).abs() < 1e-4, "unit length");
+            e.vector
+        }).collect()
+    };
+    let pcms: Vec<Vec<f32>> = clips.iter().map(|(_, p)| p.clone()).collect();
+    let batched = embed_all(&mut whisper, &pcms, 8);
+    let mut worst = 0f32;
+    for (pcm, b) in pcms.iter().zip(&batched) {
+        let alone = embed_all(&mut whisper, std::slice::from_ref(pcm), 1).remove(0);
+        worst = alone.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(worst, f32::max);
+    }
+    eprintln!("batched against alone: largest difference {worst:.2e}");
+    assert!(worst <= 1e-4, "batched embeddings differ from single ones by {worst}");
+    // Variants as a client might send them, decoded as the service decodes them.
+    let mut variants = Vec::new();
+    for pcm in &pcms {
+        let at_8k: Vec<f32> = pcm.chunks(2).map(|c| c.iter().sum::<f32>() / c.len() as f32).collect();
+        variants.push(decode_mono_16k(&wav_bytes(&at_8k, 8_000, 16)).unwrap());
+        variants.push(decode_mono_16k(&wav_bytes(pcm, 16_000, 8)).unwrap());
+    }
+    let embedded = embed_all(&mut whisper, &variants, 8);
+    for (v, e) in embedded.iter().enumerate() {
+        let own = v / 2;
+        let scores: Vec<f32> = batched.iter().map(|o| cosine(e, o)).collect();
+        let nearest = (0..scores.len()).max_by(|&a, &b| scores[a].total_cmp(&scores[b])).unwrap();
+        let kind = if v % 2 == 0 { "8 kHz" } else { "8-bit" };
+        eprintln!("{} as {kind}: cosine {:.4} to its original, next best {:.4}", clips[own].0, scores[own], scores.iter().enumerate().filter(|(i, _)| *i != own).map(|(_, s)| *s).fold(f32::MIN, f32::max));
+        assert_eq!(nearest, own, "{} as {kind} is nearest {}", clips[own].0, clips[nearest].0);
+    }
+}

@@ -78,6 +78,11 @@ pub struct TranscribeOptions {
     /// log-probability below -1 without being silence) runs again 0.2 hotter, up to 1
     /// (OpenAI's and faster-whisper's fallback). Default `true`.
     pub fallback: bool,
+    /// Embed the recording instead of transcribing it: the result's [`Transcript::embedding`]
+    /// holds one vector from the encoder, and its text and segments are empty. Its windows
+    /// go through the encoder with the transcriptions' windows and skip the decoder. Default
+    /// `false`.
+    pub embed: bool,
     /// Time each word ([`Segment::words`]) from the cross-attention of the model's alignment
     /// heads. Default `false`: it costs one more decoder pass over each window's text, and
     /// each window keeps its encoder output until it is decoded (2.3 MB in F32 for tiny, 7.7 MB
@@ -98,6 +103,7 @@ impl Default for TranscribeOptions {
             temperature: 0.0,
             beam_size: DEFAULT_BEAM_SIZE,
             fallback: true,
+            embed: false,
             word_timestamps: false,
         }
     }
@@ -148,6 +154,38 @@ pub struct Transcript {
     pub duration: f64,
     /// Segments in time order; windows judged silent contribute none.
     pub segments: Vec<Segment>,
+    /// The recording's embedding, where [`TranscribeOptions::embed`] asked for it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<AudioEmbedding>,
+}
+
+/// A recording as a vector: the mean of the encoder's output over the positions (20 ms each)
+/// that hold audio, over all its windows, L2-normalised. Recordings of the same speech lie
+/// near each other (cosine near 1) whatever their sample rate or encoding.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AudioEmbedding {
+    /// `d_model` values (384 for tiny, 512 for base), unit length.
+    pub vector: Vec<f32>,
+    /// Each 30 s window's own vector, in time order, also unit length.
+    pub windows: Vec<WindowEmbedding>,
+}
+
+/// One window's vector of an [`AudioEmbedding`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WindowEmbedding {
+    /// Seconds from the start of the recording.
+    pub start: f64,
+    pub end: f64,
+    pub vector: Vec<f32>,
+}
+
+/// `v` scaled to unit length (left as is when it is all zeros).
+fn unit(mut v: Vec<f32>) -> Vec<f32> {
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        v.iter_mut().for_each(|x| *x /= norm);
+    }
+    v
 }
 
 /// A loaded Whisper model, tokenizer and decoding config on one candle [`Device`].
@@ -354,6 +392,9 @@ struct Pending {
     /// Windows done from the first on, with none missing, and their text ([`Progress::text`]).
     leading: usize,
     text: String,
+    /// For an embedding: each window's sum of the encoder output over its audio positions,
+    /// the positions, and its range.
+    pooled: Vec<Option<(Vec<f32>, usize, (usize, usize))>>,
 }
 
 /// A recording for [`Whisper::transcribe_continuous`]: 16 kHz mono PCM and its options, borrowed
@@ -687,7 +728,9 @@ impl Whisper {
                         let padding = input.options.padding;
                         queue.extend(windows.iter().enumerate().map(|(w, &range)| Work { input: i, window: w, range, positions: encoder_positions(padding, range.1 - range.0), tail: false }));
                     }
-                    items.push(Pending { window_segments: vec![Vec::new(); total], open: vec![1; total], done: 0, total, language, error, prompt, leading: 0, text: String::new() });
+                    // An embedding needs no language: nothing is decoded.
+                    let language = if input.options.embed { Some((None, String::new())) } else { language };
+                    items.push(Pending { window_segments: vec![Vec::new(); total], open: vec![1; total], done: 0, total, language, error, prompt, leading: 0, text: String::new(), pooled: vec![None; total] });
                     inputs.push(Some(input));
                     open.push(i);
                 }
@@ -712,6 +755,20 @@ impl Whisper {
                     Ok(crosses) => {
                         for (work, (cross, features)) in taken.into_iter().zip(crosses) {
                             let opts = &input_of(&inputs, work.input).options;
+                            if opts.embed {
+                                let item = &mut items[work.input];
+                                match pool(features.as_ref(), work.range) {
+                                    Ok(p) => item.pooled[work.window] = Some(p),
+                                    Err(e) => {
+                                        item.error.get_or_insert(e);
+                                        continue;
+                                    }
+                                }
+                                item.open[work.window] = 0;
+                                item.done += 1;
+                                progress(work.input, Progress { done: item.done, total: item.total, text: "" });
+                                continue;
+                            }
                             let tag = works.len();
                             works.push(work);
                             batch.add(decode::Window {
@@ -767,7 +824,9 @@ impl Whisper {
                     None => {
                         let segments: Vec<Segment> = std::mem::take(&mut item.window_segments).into_iter().flatten().collect();
                         let text = segments.iter().map(|s| s.text.as_str()).collect::<Vec<_>>().join(" ");
+                        let embedding = input.options.embed.then(|| embedding_of(std::mem::take(&mut item.pooled)));
                         Ok(Transcript {
+                            embedding,
                             text,
                             language: item.language.as_ref().map(|(_, c)| c.clone()).unwrap_or_else(|| "en".into()),
                             duration: input.pcm.len() as f64 / m::SAMPLE_RATE as f64,
@@ -999,7 +1058,11 @@ impl Whisper {
         // ignores, and the decoder attends to its own frames only.
         let mut crosses: Vec<Option<decoder::CrossKv>> = vec![None; works.len()];
         let mut features: Vec<Option<candle_core::Tensor>> = vec![None; works.len()];
-        let wants_words = |r: usize| input_of(inputs, works[r].input).options.word_timestamps;
+        // The encoder output of a window is kept for word timestamps and for embeddings.
+        let wants_words = |r: usize| {
+            let options = &input_of(inputs, works[r].input).options;
+            options.word_timestamps || options.embed
+        };
         let mixed = self.encoder.takes_lengths();
         // Where the encoder and the cross-attention take windows end to end, all of them go
         // through as one group with no padding at all.
@@ -1097,6 +1160,32 @@ impl Whisper {
         flush(&mut text_tokens, seg_start, window_end)?;
         Ok(out)
     }
+}
+
+/// A window's encoder output `(positions, d_model)` summed over the positions that hold its
+/// audio (`range`, samples; 320 per position), and their count.
+fn pool(features: Option<&candle_core::Tensor>, range: (usize, usize)) -> Result<(Vec<f32>, usize, (usize, usize))> {
+    let features = features.context("an embedded window keeps its encoder output")?;
+    let audio = (range.1 - range.0).div_ceil(2 * m::HOP_LENGTH).clamp(1, features.dim(0)?);
+    let sum = features.narrow(0, 0, audio)?.to_dtype(DType::F32)?.sum(0)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    Ok((sum, audio, range))
+}
+
+/// A recording's [`AudioEmbedding`] from its windows' pooled sums: each window's mean, and the
+/// mean over every audio position of the recording, each scaled to unit length.
+fn embedding_of(pooled: Vec<Option<(Vec<f32>, usize, (usize, usize))>>) -> AudioEmbedding {
+    let sr = m::SAMPLE_RATE as f64;
+    let mut total: Vec<f32> = Vec::new();
+    let mut windows = Vec::new();
+    for (sum, positions, range) in pooled.into_iter().flatten() {
+        if total.is_empty() {
+            total = vec![0.0; sum.len()];
+        }
+        total.iter_mut().zip(&sum).for_each(|(t, s)| *t += s);
+        let mean = sum.iter().map(|s| s / positions as f32).collect();
+        windows.push(WindowEmbedding { start: range.0 as f64 / sr, end: range.1 as f64 / sr, vector: unit(mean) });
+    }
+    AudioEmbedding { vector: unit(total), windows }
 }
 
 #[cfg(test)]
