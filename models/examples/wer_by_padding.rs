@@ -3,7 +3,8 @@
 //! batched.
 //! Usage: cargo run --release --example wer_by_padding -- MODEL_DIR LIBRIVOX_DIR [PADDING...]
 //! PADDING: `full` (the whole 30 s window, as Whisper was trained) or a margin in seconds;
-//! default `full`. Window batches from PADDING_BATCHES (comma-separated, default `1,16`).
+//! default `full`. Window batches from PADDING_BATCHES (comma-separated, default `1,16`), beam
+//! sizes from WHISPER_BEAMS (comma-separated, default `5`; 1 is greedy).
 
 use tern_models::wer::{word_errors, words};
 use std::time::Instant;
@@ -36,9 +37,11 @@ fn main() -> anyhow::Result<()> {
     let clips: Vec<(Vec<f32>, String)> = (0..4).flat_map(|_| clips.iter().cloned()).collect();
     let audio: f64 = clips.iter().map(|(p, _)| p.len() as f64 / 16000.0).sum();
     let margins: Vec<String> = if margins.is_empty() { vec!["full".into()] } else { margins.to_vec() };
-    for margin in margins {
+    let beams: Vec<usize> = std::env::var("WHISPER_BEAMS").ok().map(|s| s.split(',').filter_map(|b| b.parse().ok()).collect()).unwrap_or(vec![5]);
+    for (margin, beam) in margins.iter().flat_map(|m| beams.iter().map(move |&b| (m, b))) {
         let opts = TranscribeOptions {
             padding: margin.parse::<Padding>().map_err(anyhow::Error::msg)?,
+            beam_size: beam,
             ..TranscribeOptions::default()
         };
         let batches: Vec<usize> = std::env::var("PADDING_BATCHES").ok().map(|s| s.split(',').filter_map(|b| b.parse().ok()).collect()).unwrap_or(vec![1, 16]);
@@ -59,7 +62,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             println!(
-                "padding {margin} batch {batch}: WER {:.1}% ({errors}/{total}), {audio:.1} s audio in {took:.2} s = {:.1}x real time",
+                "padding {margin} beam {beam} batch {batch}: WER {:.1}% ({errors}/{total}), {audio:.1} s audio in {took:.2} s = {:.1}x real time",
                 100.0 * errors as f64 / total as f64,
                 audio / took
             );

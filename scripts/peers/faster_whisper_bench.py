@@ -1,7 +1,7 @@
 """faster-whisper (CTranslate2) on the workloads of `tern-bench-transcribe`: the first 20 LibriVox
 clips (sorted by file bytes, cycled) one by one, and one >= 120 s recording built from all clips
 with 0.5 s pauses, transcribed plainly and with BatchedInferencePipeline (batch 8, Silero VAD
-chunks). Greedy (beam 1), 2 threads, CPU; one warm-up transcription per model; audio seconds per
+chunks). Greedy (beam 1; --beam N for beam search), 2 threads, CPU; one warm-up transcription per model; audio seconds per
 wall second, and WER against testdata/librivox/transcription (normalised like tern's wer.rs).
 
 Set-up (wheels only, ~10 s; no torch):
@@ -9,7 +9,7 @@ Set-up (wheels only, ~10 s; no torch):
     /tmp/peers-venv/bin/pip install faster-whisper
 Run (--quick: 2 clips and a 10 s recording, a smoke test):
     . scripts/env.sh
-    HF_HUB_OFFLINE=1 /tmp/peers-venv/bin/python scripts/peers/faster_whisper_bench.py [--quick]
+    HF_HUB_OFFLINE=1 /tmp/peers-venv/bin/python scripts/peers/faster_whisper_bench.py [--quick] [--beam N]
 """
 import glob, io, os, re, sys, time, wave
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tern_workloads import word_errors as errors, words  # tern's wer.rs, ported
 
 quick = "--quick" in sys.argv
+beam = int(sys.argv[sys.argv.index("--beam") + 1]) if "--beam" in sys.argv else 1
 n_clips, long_s = (2, 10.0) if quick else (20, 120.0)
 root = os.path.expanduser(os.environ.get("TERN_MODELS_DIR", "~/.cache/tern/models"))
 model_dir = os.path.join(root, "whisper-tiny.en")
@@ -56,23 +57,23 @@ def wer(pairs):
     e = sum(errors(words(r), words(h)) for r, h in pairs)
     return 100.0 * e / max(1, sum(len(words(r)) for r, _ in pairs))
 
-print(f"faster-whisper {faster_whisper.__version__} (ctranslate2 {ctranslate2.__version__}): whisper-tiny.en, cpu, 2 threads, beam 1; "
+print(f"faster-whisper {faster_whisper.__version__} (ctranslate2 {ctranslate2.__version__}): whisper-tiny.en, cpu, 2 threads, beam {beam}; "
       f"{n_clips} clips ({short_s:.1f} s of audio), one {len(long) / 16000:.1f} s recording")
 print(f"{'compute':>8} {'clips audio-s/s':>16} {'clips WER':>10} {'long audio-s/s':>15} {'long WER':>9} {'batched8 audio-s/s':>19} {'batched WER':>12}")
 for ct in ["int8", "float32"]:
     model = WhisperModel(model_dir, device="cpu", compute_type=ct, cpu_threads=2)
-    text(model.transcribe(pcm[0], beam_size=1, language="en")[0])  # warm-up
+    text(model.transcribe(pcm[0], beam_size=beam, language="en")[0])  # warm-up
     t = time.perf_counter()
-    hyps = [text(model.transcribe(pcm[i], beam_size=1, language="en")[0]) for i in short]
+    hyps = [text(model.transcribe(pcm[i], beam_size=beam, language="en")[0]) for i in short]
     clips_rate = short_s / (time.perf_counter() - t)
     clips_wer = wer([(refs.get(clips[i][1], ""), h) for i, h in zip(short, hyps)])
     t = time.perf_counter()
-    h_long = text(model.transcribe(long, beam_size=1, language="en")[0])
+    h_long = text(model.transcribe(long, beam_size=beam, language="en")[0])
     long_rate = len(long) / 16000 / (time.perf_counter() - t)
     batched = BatchedInferencePipeline(model)
-    text(batched.transcribe(pcm[0], batch_size=8, beam_size=1, language="en")[0])  # warm-up (VAD model)
+    text(batched.transcribe(pcm[0], batch_size=8, beam_size=beam, language="en")[0])  # warm-up (VAD model)
     t = time.perf_counter()
-    h_bat = text(batched.transcribe(long, batch_size=8, beam_size=1, language="en")[0])
+    h_bat = text(batched.transcribe(long, batch_size=8, beam_size=beam, language="en")[0])
     bat_rate = len(long) / 16000 / (time.perf_counter() - t)
     lw = lambda h: 100.0 * errors(long_ref, words(h)) / max(1, len(long_ref))
     print(f"{ct:>8} {clips_rate:>16.1f} {clips_wer:>9.1f}% {long_rate:>15.1f} {lw(h_long):>8.1f}% {bat_rate:>19.1f} {lw(h_bat):>11.1f}%")
