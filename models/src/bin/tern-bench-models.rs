@@ -62,6 +62,10 @@ struct Args {
     /// default, 2).
     #[arg(long, default_value = "2")]
     padding: Padding,
+    /// Whisper beam size: 1 decodes greedily; 5 (the default) is the worker's and
+    /// faster-whisper's default.
+    #[arg(long, default_value_t = tern_models::whisper::DEFAULT_BEAM_SIZE)]
+    beam_size: usize,
     /// Embedding batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
     embed_batches: Vec<usize>,
@@ -180,13 +184,15 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     let largest = args.budgets.iter().copied().max().unwrap_or(1);
     whisper.warmup(largest)?;
     println!(
-        "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording",
+        "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording; beam size {}, padding {:?}",
         args.whisper_model,
         started.elapsed().as_secs_f64(),
         whisper.weights_bytes() as f64 / 1e6,
-        short.len()
+        short.len(),
+        args.beam_size,
+        args.padding
     );
-    let opts = TranscribeOptions { padding: args.padding, ..TranscribeOptions::default() };
+    let opts = TranscribeOptions { padding: args.padding, beam_size: args.beam_size, ..TranscribeOptions::default() };
     let mut rows = Vec::new();
     let mut alone: Option<Vec<String>> = None;
     for &budget in &args.budgets {
