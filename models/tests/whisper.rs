@@ -481,7 +481,7 @@ fn progress_text_grows_into_the_transcript() {
     }
 }
 
-/// 16-bit mono WAV bytes of `pcm` (in [-1, 1]) at `rate`.
+/// Mono PCM WAV bytes of `pcm` (in [-1, 1]) at `rate`, 16-bit or 8-bit (unsigned) samples.
 fn wav_bytes(pcm: &[f32], rate: u32, bits: u16) -> Vec<u8> {
     let bytes_per = u32::from(bits / 8);
     let data = pcm.len() as u32 * bytes_per;

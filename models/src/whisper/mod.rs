@@ -1059,7 +1059,7 @@ impl Whisper {
         let mut crosses: Vec<Option<decoder::CrossKv>> = vec![None; works.len()];
         let mut features: Vec<Option<candle_core::Tensor>> = vec![None; works.len()];
         // The encoder output of a window is kept for word timestamps and for embeddings.
-        let wants_words = |r: usize| {
+        let keeps_features = |r: usize| {
             let options = &input_of(inputs, works[r].input).options;
             options.word_timestamps || options.embed
         };
@@ -1088,7 +1088,7 @@ impl Whisper {
                 drop(mels);
                 let mut at = 0;
                 for (k, &r) in rows.iter().enumerate() {
-                    if wants_words(r) {
+                    if keeps_features(r) {
                         // A copy: a view would keep the whole group's output alive.
                         features[r] = Some(encoded.narrow(0, at, lens[k])?.copy()?);
                     }
@@ -1105,7 +1105,7 @@ impl Whisper {
                 let encoded = self.encoder.forward(&candle_core::Tensor::cat(&mels, 0)?, mixed.then_some(lens.as_slice()))?;
                 drop(mels);
                 for (k, &r) in rows.iter().enumerate() {
-                    if wants_words(r) {
+                    if keeps_features(r) {
                         features[r] = Some(encoded.get(k)?.narrow(0, 0, lens[k])?.copy()?);
                     }
                 }
