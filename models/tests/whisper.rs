@@ -249,6 +249,91 @@ fn batched_clips_transcribe_as_alone_in_every_decoding_mode() {
     }
 }
 
+/// Greedy picks made on the device (the token rules as tensor masks, as a GPU runs them) choose
+/// the tokens the host path chooses, on every test recording, with and without timestamps, in
+/// a batch where beam-search rows (still picked on the host) decode beside them.
+#[test]
+fn device_picks_choose_the_tokens_host_picks_do() {
+    let Some(dir) = models_dir() else { return };
+    let mut pcms: Vec<(String, Vec<f32>)> = references(&dir)
+        .into_iter()
+        .map(|(id, _)| (id.clone(), clip_pcm(&dir, &id)))
+        .collect();
+    for sub in ["cards", "phrases"] {
+        let mut names: Vec<_> = std::fs::read_dir(dir.join("testdata").join(sub))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "wav"))
+            .collect();
+        names.sort();
+        for path in names {
+            pcms.push((
+                path.display().to_string(),
+                decode_mono_16k(&std::fs::read(&path).unwrap()).unwrap(),
+            ));
+        }
+    }
+    assert_eq!(pcms.len(), 13);
+    let mut whisper = load(&dir);
+    let greedy = TranscribeOptions {
+        beam_size: 1,
+        ..Default::default()
+    };
+    let plain = TranscribeOptions {
+        timestamps: false,
+        ..greedy.clone()
+    };
+    let beams = TranscribeOptions {
+        beam_size: 3,
+        ..Default::default()
+    };
+    // Every clip greedy with timestamps and without, every third also by beam search.
+    let runs: Vec<(&str, &[f32], &TranscribeOptions)> = pcms
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (id, pcm))| {
+            let mut r = vec![
+                (id.as_str(), pcm.as_slice(), &greedy),
+                (id.as_str(), pcm.as_slice(), &plain),
+            ];
+            if i % 3 == 0 {
+                r.push((id.as_str(), pcm.as_slice(), &beams));
+            }
+            r
+        })
+        .collect();
+    let inputs: Vec<(&[f32], &TranscribeOptions)> = runs.iter().map(|&(_, p, o)| (p, o)).collect();
+    let mut transcribe = |device: bool| {
+        whisper.set_device_picks(device).unwrap();
+        let out = whisper
+            .transcribe_many(&inputs, 8, &|_| false, &mut |_, _| {})
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect::<Vec<_>>();
+        (out, whisper.last_decode_stats().picked_on_device)
+    };
+    let (on_host, none) = transcribe(false);
+    let (on_device, picked) = transcribe(true);
+    assert_eq!(none, 0);
+    // Greedy rows' tokens (a few hundred here) are picked on the device.
+    assert!(picked > 200, "{picked} tokens picked on the device");
+    for ((id, _, opts), (host, device)) in runs.iter().zip(on_host.iter().zip(&on_device)) {
+        let what = format!(
+            "{id} (timestamps {}, beam {})",
+            opts.timestamps, opts.beam_size
+        );
+        assert!(!host.text.trim().is_empty(), "{what}: empty transcript");
+        assert_eq!(device.text, host.text, "{what}");
+        let bounds = |t: &tern_models::whisper::Transcript| {
+            t.segments
+                .iter()
+                .map(|s| (s.start, s.end))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bounds(device), bounds(host), "{what}: segment times");
+    }
+}
+
 /// Recordings handed over while others decode join the running batch, and each is answered as
 /// soon as it is done, with the transcript it gets alone.
 #[test]
@@ -361,7 +446,10 @@ fn half_precision_transcribes_like_f32() {
 #[test]
 fn word_timestamps_follow_the_speech() {
     let Some(dir) = models_dir() else { return };
-    let mut whisper = load(&dir);
+    // F32 products: with BF16 products (the default where the CPU has AVX-512 BF16) the beam
+    // search of the later clip closes after its first segment, a close call of the text, not
+    // of the timing this test is about.
+    let mut whisper = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, tern_models::precision::Precision::F32).unwrap();
     let (id, _) = references(&dir).remove(0);
     let pcm = clip_pcm(&dir, &id);
     // Full padding: trimmed, the beam search of this clip drops its first word ("And") at 0 s

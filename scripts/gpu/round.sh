@@ -9,13 +9,17 @@
 #   services   start Postgres 15 (127.0.0.1:5432), Redis (6379) and SeaweedFS S3 (8333)
 #   models     tern-bench-models on the GPU: Whisper tiny.en and base (clips and a long
 #              recording, window budgets 1..256), embeddings (batch 1..256), generation (1..64)
+#   whisper    tern-bench-models on Whisper tiny.en, greedy: window budgets 1..1024 with greedy
+#              picks on the device, then 1,024 windows with host picks (as before) and on the
+#              device again, GPU use sampled; beam 5 at 256 windows
 #   generate   tern-bench-models' generation (1..256 requests together) on the language model's
 #              matrices quantized as stored and dense (dequantized at load), GPU use sampled
 #   service    tern-bench-transcribe through API, queue, worker and S3, tiny.en and base, window
 #              budget 1 and the measured one, GPU utilisation sampled by nvidia-smi
 #   oom        a real CUDA out-of-memory: another process takes the device's memory after the
 #              worker measured its budget; the batch is split and no job fails
-#   peers      scripts/peers/gpu/run_peers.sh (transformers, sentence-transformers)
+#   peers      scripts/peers/gpu/run_peers.sh (transformers, sentence-transformers); PEERS and
+#              WHISPER_MODELS pick which (run_peers.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="${TERN_GPU_ROOT:-/opt/tern-gpu}"
@@ -89,6 +93,42 @@ models() {
   "$b" --device cuda --only embed --precision f32 --embed-batches 128 --embed-texts 4096 2>&1 | tee "$OUT/models-embed-f32.log"
 }
 
+whisper() {
+  local b="$ROOT/bin/tern-bench-models" m=whisper-tiny.en
+  step "whisper: tiny.en greedy, picks on the device, budgets 1..1024"
+  "$b" --device cuda --only transcribe --whisper-model $m --clips 1024 --beam-size 1 --budgets 1,64,256,1024 2>&1 | tee "$OUT/whisper-budgets.log"
+  step "whisper: tiny.en greedy, full 30 s padding as the pipeline, budgets 1 and 1024"
+  "$b" --device cuda --only transcribe --whisper-model $m --clips 512 --beam-size 1 --padding full --budgets 1,1024 2>&1 | tee "$OUT/whisper-full.log"
+  local picks clips
+  for picks in host device; do
+    clips=$([[ $picks == host ]] && echo 8192 || echo 16384)
+    step "whisper: tiny.en greedy at 1,024 windows, $clips clips, picks on the $picks, GPU use sampled"
+    with_gpu_samples "$OUT/smi-whisper-$picks.csv" "$b" --device cuda --only transcribe --whisper-model $m --clips $clips \
+      --long-seconds 1 --beam-size 1 --budgets 1024 $([[ $picks == host ]] && echo --host-picks) 2>&1 | tee "$OUT/whisper-$picks.log"
+    busy "$OUT/smi-whisper-$picks.csv" "$OUT/whisper-$picks.log"
+  done
+  step "whisper: tiny.en beam 5 at 256 windows"
+  "$b" --device cuda --only transcribe --whisper-model $m --clips 1024 --beam-size 5 --budgets 256 2>&1 | tee "$OUT/whisper-beam5.log"
+}
+
+# busy SAMPLES.csv LOG: the mean of nvidia-smi's utilization.gpu over the samples taken while
+# the clips ran (the span tern-bench-models prints), and how many samples that is.
+busy() {
+  python3 - "$1" "$2" <<'PY' | tee -a "$OUT/busy.txt"
+import re, sys, time
+spans = [tuple(map(float, m)) for m in re.findall(r"clips ran from ([0-9.]+) to ([0-9.]+)", open(sys.argv[2]).read())]
+rows = []
+for line in open(sys.argv[1]):
+    stamp, util, _ = [f.strip() for f in line.split(",")]
+    whole, frac = stamp.split(".")
+    rows.append((time.mktime(time.strptime(whole, "%Y/%m/%d %H:%M:%S")) + float("0." + frac), float(util)))
+for a, b in spans:
+    inside = [u for t, u in rows if a <= t <= b]
+    if inside:
+        print(f"{sys.argv[2].split('/')[-1]}: GPU busy {sum(inside) / len(inside):.0f}% over {len(inside)} samples in {b - a:.1f} s of clips")
+PY
+}
+
 generate() {
   local b="$ROOT/bin/tern-bench-models" weights
   for weights in quantized dense; do
@@ -131,7 +171,7 @@ time.sleep(600)' &
 
 peers() {
   step peers
-  CLIPS=512 bash scripts/peers/gpu/run_peers.sh "$TERN_MODELS_DIR" "$OUT/peers"
+  CLIPS="${CLIPS:-1024}" bash scripts/peers/gpu/run_peers.sh "$TERN_MODELS_DIR" "$OUT/peers"
 }
 
 for stage in "$@"; do

@@ -5,9 +5,11 @@
 # load. The pack is split into parts small enough to carry one at a time; scripts/gpu/round.sh
 # unpacks and runs them there.
 #
-# Usage: scripts/gpu/stage.sh [PART_MB] [generate]   (default 60; parts go to .gpu/part.*,
+# Usage: scripts/gpu/stage.sh [PART_MB] [generate|models]   (default 60; parts go to .gpu/part.*,
 #        git-ignored). `generate` packs only tern-bench-models and the language model, for
-#        round.sh's `generate` stage (two parts instead of nine).
+#        round.sh's `generate` stage (two parts instead of nine); `models` packs
+#        tern-bench-models, Whisper tiny.en, the language model and the test audio, for the
+#        in-process stages `whisper` and `generate` and their peers (four parts).
 #
 # Needs, here: `cargo build --release -p tern-api -p tern-e2e --bins` (ordinary); the CUDA build
 # of docs/gpu.md, its tern-worker and tern-bench-models copied to $TERN_CUDA_BIN (default
@@ -32,6 +34,15 @@ if [[ "${2:-}" == generate ]]; then
   cp "$cuda_bin/tern-bench-models" "$stage/bin/"
   strip "$stage/bin/tern-bench-models"
   cp -r "$TERN_MODELS_DIR/smollm2-135m-instruct" "$stage/models/"
+  pack
+  exit 0
+fi
+
+if [[ "${2:-}" == models ]]; then
+  mkdir -p "$stage/bin" "$stage/models"
+  cp "$cuda_bin/tern-bench-models" "$stage/bin/"
+  strip "$stage/bin/tern-bench-models"
+  cp -r "$TERN_MODELS_DIR"/{whisper-tiny.en,smollm2-135m-instruct,testdata} "$stage/models/"
   pack
   exit 0
 fi

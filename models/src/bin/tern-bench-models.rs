@@ -66,6 +66,14 @@ struct Args {
     /// faster-whisper's default.
     #[arg(long, default_value_t = tern_models::whisper::DEFAULT_BEAM_SIZE)]
     beam_size: usize,
+    /// Transcribe without timestamp tokens (`<|notimestamps|>`), as transformers' pipeline
+    /// does by default.
+    #[arg(long)]
+    no_timestamps: bool,
+    /// Pick greedy tokens from logits copied to the host, as before device picks (the default
+    /// on a CPU); on a GPU they are picked on the device (`Whisper::set_device_picks`).
+    #[arg(long)]
+    host_picks: bool,
     /// Embedding batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
     embed_batches: Vec<usize>,
@@ -146,6 +154,10 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+fn unix_seconds() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// The LibriVox clips and their reference transcripts.
 fn librivox(dir: &Path) -> Result<Vec<(Vec<f32>, String)>> {
     let refs = std::fs::read_to_string(dir.join("transcription")).context("test speech missing: run scripts/models.sh")?;
@@ -182,26 +194,32 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     let started = Instant::now();
     let mut whisper = Whisper::load_ct2_in(&dir.join(&args.whisper_model), device, args.precision)?;
     let largest = args.budgets.iter().copied().max().unwrap_or(1);
+    if args.host_picks {
+        whisper.set_device_picks(false)?;
+    }
     whisper.warmup(largest)?;
     println!(
-        "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording; beam size {}, padding {:?}",
+        "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording; beam size {}, padding {:?}, greedy picks on the {}",
         args.whisper_model,
         started.elapsed().as_secs_f64(),
         whisper.weights_bytes() as f64 / 1e6,
         short.len(),
         args.beam_size,
-        args.padding
+        args.padding,
+        if args.host_picks || device.is_cpu() { "host" } else { "device" }
     );
-    let opts = TranscribeOptions { padding: args.padding, beam_size: args.beam_size, ..TranscribeOptions::default() };
+    let opts = TranscribeOptions { padding: args.padding, beam_size: args.beam_size, timestamps: !args.no_timestamps, ..TranscribeOptions::default() };
     let mut rows = Vec::new();
     let mut alone: Option<Vec<String>> = None;
     for &budget in &args.budgets {
         let inputs: Vec<(&[f32], &TranscribeOptions)> = short.iter().map(|(p, _)| (p.as_slice(), &opts)).collect();
         let pb = progress(inputs.len(), format!("budget {budget}"))?;
-        let t = Instant::now();
+        let (t, from) = (Instant::now(), unix_seconds());
         let out = whisper.transcribe_many(&inputs, budget, &|_| false, &mut |_, _| {});
         let short_secs = t.elapsed().as_secs_f64();
         pb.finish_and_clear();
+        // For samplers of device use running beside (scripts/gpu/round.sh): the clips' span.
+        println!("budget {budget}: clips ran from {from:.3} to {:.3} (unix seconds)", unix_seconds());
         let texts = out
             .into_iter()
             .map(|r| r.map(|t| t.text).map_err(|e| anyhow::anyhow!("{e:#}")))

@@ -1,8 +1,9 @@
-//! Greedy decoding of one 30 s window, with OpenAI's token rules (suppression, timestamp pairing)
-//! applied on the CPU logits vector, and temperature fallback.
+//! Decoding of 30 s windows, many at once: greedy, by beam search or sampled, with the token
+//! rules of faster-whisper (suppression, timestamp pairing) and temperature fallback. The rules
+//! run on host logits, or for greedy rows as masks on the device ([`DevicePicker`]).
 
 use anyhow::Result;
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::decoder::{CrossKv, Decoder, SelfKv};
@@ -206,6 +207,189 @@ fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     top
 }
 
+/// Where a greedy row may pick its next token, for [`DevicePicker`]: the rules of
+/// [`apply_rules`] but the last (timestamps forced when likelier than any text token), which
+/// needs the logits. Token ids as F32 (exact below 2^24).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PickLimits {
+    /// Tokens below the first timestamp are allowed from this id (0: all; EOT: only EOT and
+    /// after; the first timestamp: none).
+    low_from: f32,
+    /// Timestamps allowed: `[ts_from, ts_to)`.
+    ts_from: f32,
+    ts_to: f32,
+    /// 1 at the first sampled token, where `suppress_begin` applies.
+    begin: f32,
+}
+
+impl PickLimits {
+    /// The limits for a hypothesis that has sampled `sampled` (prompt excluded).
+    fn of(sampled: &[u32], sp: &Specials, timestamps: bool, vocab: u32) -> PickLimits {
+        let (tb, v) = (sp.timestamp_begin as f32, vocab as f32);
+        let begin = if sampled.is_empty() { 1.0 } else { 0.0 };
+        if !timestamps {
+            return PickLimits {
+                low_from: 0.0,
+                ts_from: v,
+                ts_to: v,
+                begin,
+            };
+        }
+        if sampled.is_empty() {
+            let last = (sp.timestamp_begin + MAX_INITIAL_TIMESTAMP_INDEX + 1).min(vocab) as f32;
+            return PickLimits {
+                low_from: tb,
+                ts_from: tb,
+                ts_to: last,
+                begin,
+            };
+        }
+        let is_ts = |t: u32| t >= sp.timestamp_begin;
+        let last_was_ts = sampled.last().is_some_and(|&t| is_ts(t));
+        let penult_was_ts = sampled.len() < 2 || is_ts(sampled[sampled.len() - 2]);
+        let mut limits = PickLimits {
+            low_from: 0.0,
+            ts_from: tb,
+            ts_to: v,
+            begin,
+        };
+        if last_was_ts {
+            if penult_was_ts {
+                limits.ts_from = v;
+            } else {
+                limits.low_from = sp.eot as f32;
+            }
+        }
+        if let Some(&last_ts) = sampled.iter().rev().find(|&&t| is_ts(t)) {
+            limits.ts_from = limits.ts_from.max(last_ts as f32);
+        }
+        limits
+    }
+}
+
+/// Greedy picks on the decoder's device: [`apply_rules`] as masks over the logits of all rows
+/// at once, then the argmax, so a step copies three numbers per row to the host (token,
+/// log-probability, no-speech log-probability) instead of 51,864 logits, and the host does not
+/// read them. The tokens are those of the host path; log-probabilities agree to rounding.
+pub(crate) struct DevicePicker {
+    /// `(1, vocab)` F32: 1 where a token below the first timestamp may be sampled at all.
+    low_ok: Tensor,
+    /// `(1, vocab)` F32: 1 at the timestamp tokens.
+    timestamps: Tensor,
+    /// `(1, vocab)` F32: 1 at the tokens not sampled first (`suppress_begin`).
+    begin_bad: Tensor,
+    /// `(1, vocab)` F32: the token ids.
+    ids: Tensor,
+    no_speech: Option<usize>,
+}
+
+/// What masks out a token: far below any logit, but finite, so that a row with nothing
+/// allowed in a region still has a finite log-sum-exp.
+const MASKED: f64 = -1e30;
+
+impl DevicePicker {
+    pub fn new(sp: &Specials, vocab: usize, device: &Device) -> Result<DevicePicker> {
+        let mut low = vec![0f32; vocab];
+        let tb = (sp.timestamp_begin as usize).min(vocab);
+        low[..tb].fill(1.0);
+        let mut scratch = vec![0f32; vocab];
+        apply_rules(&mut scratch, &[0], sp, false);
+        for (ok, s) in low.iter_mut().zip(&scratch) {
+            if *s == f32::NEG_INFINITY {
+                *ok = 0.0;
+            }
+        }
+        let mut timestamps: Vec<f32> = (0..vocab)
+            .map(|i| if i >= tb { 1.0 } else { 0.0 })
+            .collect();
+        for &t in &sp.suppress {
+            if (t as usize) < vocab {
+                timestamps[t as usize] = 0.0;
+            }
+        }
+        let mut begin_bad = vec![0f32; vocab];
+        for &t in &sp.suppress_begin {
+            if (t as usize) < vocab {
+                begin_bad[t as usize] = 1.0;
+            }
+        }
+        let ids: Vec<f32> = (0..vocab).map(|i| i as f32).collect();
+        let row = |v: Vec<f32>| Tensor::from_vec(v, (1, vocab), device);
+        Ok(DevicePicker {
+            low_ok: row(low)?,
+            timestamps: row(timestamps)?,
+            begin_bad: row(begin_bad)?,
+            ids: row(ids)?,
+            no_speech: sp.no_speech.map(|t| t as usize).filter(|&t| t < vocab),
+        })
+    }
+
+    /// `(token, log-probability after the rules, no-speech log-probability before them)` for
+    /// each row of `logits` `(rows, vocab)`, under its limits.
+    fn pick(&self, logits: &Tensor, limits: &[PickLimits]) -> Result<Vec<(u32, f32, f32)>> {
+        let rows = limits.len();
+        let l = logits.to_dtype(DType::F32)?.contiguous()?;
+        let flat: Vec<f32> = limits
+            .iter()
+            .flat_map(|m| [m.low_from, m.ts_from, m.ts_to, m.begin])
+            .collect();
+        let lim = Tensor::from_vec(flat, (rows, 4), l.device())?;
+        let col = |i: usize| lim.narrow(1, i, 1);
+        let at_least =
+            |c: &Tensor| -> Result<Tensor> { Ok(self.ids.broadcast_ge(c)?.to_dtype(DType::F32)?) };
+        let keep = col(3)?.broadcast_mul(&self.begin_bad)?.affine(-1.0, 1.0)?;
+        let low = self
+            .low_ok
+            .broadcast_mul(&at_least(&col(0)?)?)?
+            .mul(&keep)?;
+        let below_to = self.ids.broadcast_lt(&col(2)?)?.to_dtype(DType::F32)?;
+        let ts = self
+            .timestamps
+            .broadcast_mul(&at_least(&col(1)?)?)?
+            .mul(&below_to)?
+            .mul(&keep)?;
+        let masked = |allowed: &Tensor| -> Result<Tensor> {
+            Ok((l.mul(allowed)? + allowed.affine(-MASKED, MASKED)?)?)
+        };
+        let text_max = masked(&low)?.max_keepdim(1)?;
+        let ts_lse = log_sum_exp_rows(&masked(&ts)?)?;
+        // Timestamps forced where together likelier than any text token.
+        let text_left = ts_lse
+            .gt(&text_max)?
+            .to_dtype(DType::F32)?
+            .affine(-1.0, 1.0)?;
+        let final_logits = masked(&(ts + low.broadcast_mul(&text_left)?)?)?;
+        let next = final_logits.argmax_keepdim(1)?;
+        let logprob = (final_logits.gather(&next, 1)? - log_sum_exp_rows(&final_logits)?)?;
+        let no_speech = match self.no_speech {
+            Some(t) => (l.narrow(1, t, 1)? - log_sum_exp_rows(&l)?)?,
+            None => Tensor::zeros((rows, 1), DType::F32, l.device())?,
+        };
+        let out = Tensor::cat(&[next.to_dtype(DType::F32)?, logprob, no_speech], 1)?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<f32>()?;
+        Ok(out.into_iter().map(|r| (r[0] as u32, r[1], r[2])).collect())
+    }
+}
+
+/// `log(sum(exp(x)))` over each row of `(rows, n)`, kept as `(rows, 1)`.
+fn log_sum_exp_rows(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(1)?;
+    Ok((x.broadcast_sub(&max)?.exp()?.sum_keepdim(1)?.log()? + max)?)
+}
+
+/// What a row picks from after a step.
+enum Scores {
+    /// The logits of each of its beams, on the host.
+    Logits(Vec<Vec<f32>>),
+    /// A greedy pick made by [`DevicePicker`].
+    Picked {
+        token: u32,
+        logprob: f32,
+        no_speech: f32,
+    },
+}
+
 /// A window to decode: its cross-attention keys/values (one row), prompt and options.
 #[derive(Clone)]
 pub(crate) struct Window {
@@ -275,6 +459,12 @@ impl Row {
         if self.temperature > 0.0 { 1 } else { self.window.beam_size.max(1) }
     }
 
+    /// Whether it decodes greedily: one hypothesis at temperature 0, which [`DevicePicker`] can
+    /// pick for.
+    fn greedy(&self) -> bool {
+        self.temperature <= 0.0 && self.width() == 1
+    }
+
     /// Whether the token just fed was the SOT, where OpenAI reads the no-speech probability.
     fn just_fed_sot(&self, sp: &Specials) -> bool {
         sp.no_speech.is_some() && self.fed > 0 && self.window.prompt.iter().position(|&t| t == sp.sot) == Some(self.fed - 1)
@@ -305,15 +495,21 @@ impl Row {
         d
     }
 
-    /// Takes the logits of its beams after a step that fed the SOT or the end of what it was
-    /// fed, and picks: the greedy or sampled token, or the next beams as faster-whisper's
+    /// Takes the logits of its beams (or the device's greedy pick) after a step that fed the SOT
+    /// or the end of what it was fed, and picks: the greedy or sampled token, or the next beams as faster-whisper's
     /// beam search (CTranslate2's `BeamSearch`, patience 1, length penalty 1): of the `2 *
     /// width` likeliest continuations of all beams, the first `width` go on, but those ending
     /// in EOT, which finish and leave their place to the next continuation that does not end.
     /// The search ends once `width` hypotheses have finished.
-    fn advance(&mut self, mut logits: Vec<Vec<f32>>, sp: &Specials, max_ctx: usize) {
-        if let (Some(ns), true, Some(first)) = (sp.no_speech, self.just_fed_sot(sp), logits.first()) {
-            self.no_speech_prob = f64::from(first[ns as usize] - log_sum_exp(first)).exp();
+    fn advance(&mut self, scores: Scores, sp: &Specials, max_ctx: usize) {
+        if let (Some(ns), true) = (sp.no_speech, self.just_fed_sot(sp)) {
+            let logprob = match &scores {
+                Scores::Logits(logits) => logits.first().map(|first| first[ns as usize] - log_sum_exp(first)),
+                Scores::Picked { no_speech, .. } => Some(*no_speech),
+            };
+            if let Some(l) = logprob {
+                self.no_speech_prob = f64::from(l).exp();
+            }
         }
         if self.fed < self.beams[0].tokens.len() {
             return;
@@ -322,14 +518,19 @@ impl Row {
         let begin = self.window.prompt.len();
         // (log-probability of the hypothesis, beam it extends, token)
         let mut candidates: Vec<(f64, usize, u32)> = Vec::new();
-        for (j, (beam, logits)) in self.beams.iter().zip(logits.iter_mut()).enumerate() {
-            apply_rules(logits, &beam.tokens[begin..], sp, self.window.timestamps);
-            let lse = log_sum_exp(logits);
-            if width == 1 {
-                let next = pick(logits, self.temperature, &mut self.rng);
-                candidates.push((beam.sum_logprob + f64::from(logits[next as usize] - lse), j, next));
-            } else {
-                candidates.extend(top_k(logits, 2 * width).into_iter().map(|(t, l)| (beam.sum_logprob + f64::from(l - lse), j, t)));
+        match scores {
+            Scores::Picked { token, logprob, .. } => candidates.push((self.beams[0].sum_logprob + f64::from(logprob), 0, token)),
+            Scores::Logits(mut logits) => {
+                for (j, (beam, logits)) in self.beams.iter().zip(logits.iter_mut()).enumerate() {
+                    apply_rules(logits, &beam.tokens[begin..], sp, self.window.timestamps);
+                    let lse = log_sum_exp(logits);
+                    if width == 1 {
+                        let next = pick(logits, self.temperature, &mut self.rng);
+                        candidates.push((beam.sum_logprob + f64::from(logits[next as usize] - lse), j, next));
+                    } else {
+                        candidates.extend(top_k(logits, 2 * width).into_iter().map(|(t, l)| (beam.sum_logprob + f64::from(l - lse), j, t)));
+                    }
+                }
             }
         }
         candidates.sort_by(|a, b| b.0.total_cmp(&a.0));
@@ -399,6 +600,8 @@ pub(crate) struct WindowBatch<'a> {
     cross: Option<CrossKv>,
     /// Windows waiting for a row: new ones and fallbacks at the next temperature.
     waiting: std::collections::VecDeque<Row>,
+    /// Picks greedy rows' tokens on the device; `None`: every row's logits go to the host.
+    picker: Option<&'a DevicePicker>,
     stats: DecodeStats,
 }
 
@@ -411,13 +614,21 @@ pub struct DecodeStats {
     pub seated: usize,
     /// Of those, windows that joined while other rows were decoding.
     pub joined_running: usize,
+    /// Tokens picked on the device ([`DevicePicker`]) rather than from host logits.
+    pub picked_on_device: usize,
 }
 
 impl<'a> WindowBatch<'a> {
     /// An empty batch of at most `capacity` windows (at least 1); a window searching with `n`
     /// beams holds `n` decoder rows.
     pub fn new(decoder: &'a Decoder, sp: &'a Specials, text: &'a (dyn Fn(&[u32]) -> String + Sync), capacity: usize) -> Self {
-        WindowBatch { decoder, sp, text, capacity: capacity.max(1), rows: Vec::new(), kv: decoder.new_self_kv(), cross: None, waiting: Default::default(), stats: DecodeStats::default() }
+        WindowBatch { decoder, sp, text, capacity: capacity.max(1), rows: Vec::new(), kv: decoder.new_self_kv(), cross: None, waiting: Default::default(), picker: None, stats: DecodeStats::default() }
+    }
+
+    /// Picks the tokens of greedy rows with `picker`, on the device, instead of on host logits.
+    pub fn with_picker(mut self, picker: Option<&'a DevicePicker>) -> Self {
+        self.picker = picker;
+        self
     }
 
     /// Whether windows join while others decode: one cache per row, and cross-attention keys
@@ -567,42 +778,59 @@ impl<'a> WindowBatch<'a> {
         let hidden = self.decoder.step(&tokens, self.cross.as_ref().expect("rows have keys"), &mut self.kv)?;
         self.stats.steps += 1;
         // Logits only for rows that read them: at the SOT (no-speech probability) or at the
-        // end of what they were fed (the next token).
-        let mut wanted: Vec<u32> = Vec::new();
+        // end of what they were fed (the next token); greedy rows' picks made on the device
+        // where it can.
+        let (mut on_host, mut on_device): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
+        let mut limits = Vec::new();
+        let vocab = self.picker.map_or(0, |p| p.ids.dim(1).unwrap_or(0) as u32);
         let mut at = 0;
-        let is_wanted: Vec<bool> = self
+        let routes: Vec<Option<bool>> = self
             .rows
             .iter_mut()
             .zip(&held)
             .map(|(r, &n)| {
                 r.fed += 1;
                 let want = !r.finished && (r.just_fed_sot(sp) || r.fed == r.beams[0].tokens.len());
-                if want {
-                    wanted.extend((at..at + n).map(|k| k as u32));
+                let device = self.picker.is_some() && r.greedy() && n == 1;
+                if want && device {
+                    on_device.push(at as u32);
+                    let sampled = r.beams[0].tokens.get(r.window.prompt.len()..).unwrap_or_default();
+                    limits.push(PickLimits::of(sampled, sp, r.window.timestamps, vocab));
+                } else if want {
+                    on_host.extend((at..at + n).map(|k| k as u32));
                 }
                 at += n;
-                want
+                want.then_some(device)
             })
             .collect();
-        let mut logits = if wanted.is_empty() {
-            Vec::new()
-        } else {
-            let index = Tensor::from_vec(wanted.clone(), wanted.len(), hidden.device())?;
-            self.decoder.logits_vecs(&hidden.index_select(&index, 0)?, 0)?
-        }
-        .into_iter();
+        let select = |rows: Vec<u32>| -> Result<Tensor> { Ok(hidden.index_select(&Tensor::from_vec(rows.clone(), rows.len(), hidden.device())?, 0)?) };
+        let mut host_logits = if on_host.is_empty() { Vec::new() } else { self.decoder.logits_vecs(&select(on_host)?, 0)? }.into_iter();
+        let picks = match self.picker {
+            Some(picker) if !on_device.is_empty() => picker.pick(&self.decoder.logits_on_device(&select(on_device)?, 0)?, &limits)?,
+            _ => Vec::new(),
+        };
+        self.stats.picked_on_device += picks.len();
+        let mut picks = picks.into_iter();
         let max_ctx = self.decoder.max_positions();
-        let picked: Vec<(&mut Row, Vec<Vec<f32>>)> = self
+        let picked: Vec<(&mut Row, Scores)> = self
             .rows
             .iter_mut()
-            .zip(is_wanted)
+            .zip(routes)
             .zip(&held)
-            .filter(|((_, w), _)| *w)
-            .map(|((r, _), &n)| (r, logits.by_ref().take(n).collect()))
+            .filter_map(|((r, route), &n)| {
+                let scores = match route? {
+                    true => {
+                        let (token, logprob, no_speech) = picks.next().expect("a pick per device row");
+                        Scores::Picked { token, logprob, no_speech }
+                    }
+                    false => Scores::Logits(host_logits.by_ref().take(n).collect()),
+                };
+                Some((r, scores))
+            })
             .collect();
         // The rules and picks of the windows are independent: a few passes over 51k logits
-        // per hypothesis.
-        picked.into_par_iter().for_each(|(r, logits)| r.advance(logits, sp, max_ctx));
+        // per hypothesis on the host.
+        picked.into_par_iter().for_each(|(r, scores)| r.advance(scores, sp, max_ctx));
         let mut out = Vec::new();
         let mut rerun = Vec::new();
         for r in self.rows.iter_mut().filter(|r| r.finished && !r.reported) {
@@ -649,6 +877,78 @@ mod tests {
         let looped = "and then the, ".repeat(12);
         assert!(compression_ratio(&looped) > COMPRESSION_RATIO_THRESHOLD, "{}", compression_ratio(&looped));
         assert_eq!(compression_ratio(""), 0.0);
+    }
+
+    /// Random logits over a small vocabulary, where every rule binds often: the device's masks
+    /// pick the token the host's rules pick, with its log-probability, after every kind of
+    /// history (none, text, one or two timestamps), with and without timestamps.
+    #[test]
+    fn device_picks_apply_the_host_rules() {
+        let sp = Specials {
+            sot: 101,
+            eot: 100,
+            transcribe: Some(103),
+            translate: Some(102),
+            no_timestamps: 106,
+            timestamp_begin: 107,
+            no_speech: Some(105),
+            prev: Some(104),
+            suppress: vec![1, 5, 102, 104],
+            suppress_begin: vec![50, 100],
+        };
+        let vocab = 200;
+        let picker = DevicePicker::new(&sp, vocab, &Device::Cpu).unwrap();
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let mut rows: Vec<(Vec<f32>, Vec<u32>, bool)> = Vec::new();
+        for i in 0..2000 {
+            // Peaked logits, so that timestamps sometimes outweigh the text together.
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| (rng.next_f64() * 8.0 - 4.0).powi(3) as f32 / 8.0)
+                .collect();
+            let len = i % 7;
+            let sampled: Vec<u32> = (0..len)
+                .map(|_| {
+                    if rng.next_f64() < 0.5 {
+                        (rng.next_f64() * 100.0) as u32
+                    } else {
+                        107 + (rng.next_f64() * 93.0) as u32
+                    }
+                })
+                .collect();
+            rows.push((logits, sampled, i % 5 != 0));
+        }
+        let limits: Vec<PickLimits> = rows
+            .iter()
+            .map(|(_, s, ts)| PickLimits::of(s, &sp, *ts, vocab as u32))
+            .collect();
+        let flat: Vec<f32> = rows.iter().flat_map(|r| r.0.iter().copied()).collect();
+        let picks = picker
+            .pick(
+                &Tensor::from_vec(flat, (rows.len(), vocab), &Device::Cpu).unwrap(),
+                &limits,
+            )
+            .unwrap();
+        let mut forced = 0;
+        for ((logits, sampled, timestamps), (token, logprob, no_speech)) in rows.iter().zip(picks) {
+            let mut l = logits.clone();
+            apply_rules(&mut l, sampled, &sp, *timestamps);
+            let want = pick(&l, 0.0, &mut Rng(1));
+            assert_eq!(token, want, "history {sampled:?}, timestamps {timestamps}");
+            assert!(
+                (logprob - (l[want as usize] - log_sum_exp(&l))).abs() < 1e-4,
+                "{logprob}"
+            );
+            assert!((no_speech - (logits[105] - log_sum_exp(logits))).abs() < 1e-4);
+            forced += usize::from(
+                *timestamps
+                    && want >= 107
+                    && logits[..107].iter().zip(&l).any(|(a, b)| {
+                        a.is_finite() && *b == f32::NEG_INFINITY && *a > logits[want as usize]
+                    }),
+            );
+        }
+        // Timestamps won over likelier text tokens in some rows.
+        assert!(forced > 50, "{forced}");
     }
 
     #[test]

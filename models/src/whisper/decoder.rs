@@ -694,6 +694,18 @@ impl Decoder {
         self.embed_tokens.matmul(&h.t()?)?.t()
     }
 
+    /// Logits `(batch, vocab)` for position `pos`, left on the device: [`Decoder::logits_at`],
+    /// but on the CPU by the product [`Decoder::logits_vecs`] takes (F16 embeddings under F32
+    /// states, BF16 products), so both give the same numbers there.
+    pub fn logits_on_device(&self, hidden: &Tensor, pos: usize) -> Result<Tensor> {
+        if !hidden.device().is_cpu() {
+            return self.logits_at(hidden, pos);
+        }
+        let rows = self.logits_vecs(hidden, pos)?;
+        let vocab = rows.first().map_or(0, Vec::len);
+        Tensor::from_vec(rows.concat(), (rows.len(), vocab), hidden.device())
+    }
+
     /// Logits rows as CPU vectors.
     pub fn logits_vecs(&self, hidden: &Tensor, pos: usize) -> Result<Vec<Vec<f32>>> {
         if let Some(logits) = &self.logits_bf16 {

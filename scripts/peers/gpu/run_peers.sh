@@ -11,7 +11,8 @@
 #   MODELS_DIR as scripts/models.sh --all fills it; OUT_DIR gets one full log per stage and
 #   summary.txt. Offline: the wheels in .whl/ (the `gguf` package) are installed to /tmp/site
 #   without an index. Each stage runs on its own: one failing prints its error and the rest go on.
-#   PYTHON (default python3), DEVICE (default cuda), STAGE_TIMEOUT (seconds, default 240).
+#   PYTHON (default python3), DEVICE (default cuda), STAGE_TIMEOUT (seconds, default 240),
+#   PEERS (default "whisper embeddings generate"), WHISPER_MODELS (default "tiny.en base").
 set -uo pipefail
 models=$(cd "${1:?usage: run_peers.sh MODELS_DIR OUT_DIR}" && pwd)
 out=${2:?usage: run_peers.sh MODELS_DIR OUT_DIR}
@@ -67,17 +68,21 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 
 dtype=float16
 [[ $device == cpu ]] && dtype=float32
-for m in tiny.en base; do
-  rm -rf "/tmp/hf-whisper-$m"
-  stage "convert-$m" "$py" "$here/ct2_to_hf_whisper.py" "$models/whisper-$m" "/tmp/hf-whisper-$m" --dtype "$dtype"
-done
-for m in tiny.en base; do
-  stage "whisper-$m" "$py" "$here/whisper_pipeline_bench.py" --hf-dir "/tmp/hf-whisper-$m" --device "$device" \
-    --models-dir "$models" --clips "${CLIPS:-200}" --long-seconds "${LONG_SECONDS:-120}" --batch-sizes "${WHISPER_BATCHES:-16,64}"
-done
-stage embeddings "$py" "$here/sentence_transformers_gpu_bench.py" --device "$device" --models-dir "$models" \
-  --texts "${EMBED_TEXTS:-4096}" --batch-sizes "${EMBED_BATCHES:-32,128,256}"
-stage generate "$py" "$here/generate_bench.py" --device "$device" --models-dir "$models" \
+peers=" ${PEERS:-whisper embeddings generate} "
+whisper_models=${WHISPER_MODELS:-tiny.en base}
+if [[ $peers == *" whisper "* ]]; then
+  for m in $whisper_models; do
+    rm -rf "/tmp/hf-whisper-$m"
+    stage "convert-$m" "$py" "$here/ct2_to_hf_whisper.py" "$models/whisper-$m" "/tmp/hf-whisper-$m" --dtype "$dtype"
+  done
+  for m in $whisper_models; do
+    stage "whisper-$m" "$py" "$here/whisper_pipeline_bench.py" --hf-dir "/tmp/hf-whisper-$m" --device "$device" \
+      --models-dir "$models" --clips "${CLIPS:-200}" --long-seconds "${LONG_SECONDS:-120}" --batch-sizes "${WHISPER_BATCHES:-16,64}"
+  done
+fi
+[[ $peers == *" embeddings "* ]] && stage embeddings "$py" "$here/sentence_transformers_gpu_bench.py" --device "$device" \
+  --models-dir "$models" --texts "${EMBED_TEXTS:-4096}" --batch-sizes "${EMBED_BATCHES:-32,128,256}"
+[[ $peers == *" generate "* ]] && stage generate "$py" "$here/generate_bench.py" --device "$device" --models-dir "$models" \
   --tokens "${GEN_TOKENS:-128}" --batches "${GEN_BATCHES:-1,64}"
 
 {
