@@ -375,6 +375,18 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
             tokens += r?.completion_tokens;
         }
         println!("{}: {batch} requests together: {:.1} tokens/s in all ({tokens} tokens in {secs:.2} s)", args.llm_model, tokens as f64 / secs);
+        let s = llm.last_batch_stats();
+        let per_step = |secs: f64| 1e3 * secs / s.steps.max(1) as f64;
+        println!(
+            "  {} prompts read in {:.2} s; {} steps of {:.1} rows on average, per step: forward {:.2} ms, sampling {:.2} ms, text {:.2} ms",
+            s.prefills,
+            s.prefill_secs,
+            s.steps,
+            s.rows as f64 / s.steps.max(1) as f64,
+            per_step(s.forward_secs),
+            per_step(s.sample_secs),
+            per_step(s.text_secs)
+        );
     }
     // Continuous batching: a short request (16 tokens) arrives 10 steps into a long one
     // (`--gen-tokens`). Joined, it is answered after its own tokens; in a static batch it would

@@ -11,6 +11,7 @@
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
+use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -249,6 +250,24 @@ pub struct Llm {
     end_ids: Vec<u32>,
     context_length: usize,
     weights_bytes: u64,
+    /// Where the time of the last [`Llm::generate_continuous`] call went.
+    last_stats: std::sync::Mutex<BatchStats>,
+}
+
+/// Where the time of a call that decodes requests together went ([`Llm::last_batch_stats`]):
+/// reading prompts, the steps' forward passes (until their logits are on the host), sampling,
+/// and the per-token text work (detokenising, stop sequences, callbacks). For benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BatchStats {
+    /// Decoding steps, and rows over all of them (a step runs one token of each request).
+    pub steps: usize,
+    pub rows: usize,
+    /// Prompts read, and seconds spent reading them (one request at a time).
+    pub prefills: usize,
+    pub prefill_secs: f64,
+    pub forward_secs: f64,
+    pub sample_secs: f64,
+    pub text_secs: f64,
 }
 
 /// The forward pass that serves a model.
@@ -346,6 +365,7 @@ impl Llm {
                     device: device.clone(),
                     end_ids,
                     context_length,
+                    last_stats: Default::default(),
                 });
             }
         }
@@ -385,7 +405,14 @@ impl Llm {
             end_ids,
             context_length,
             weights_bytes,
+            last_stats: Default::default(),
         })
+    }
+
+    /// Where the time of the last [`Llm::generate_batch`] or [`Llm::generate_continuous`] call
+    /// went, where its requests decoded together (zeros for candle's `quantized_llama`).
+    pub fn last_batch_stats(&self) -> BatchStats {
+        *self.last_stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Tokens of `prompt` once rendered (template included for [`Prompt::Chat`]), the figure
@@ -511,8 +538,13 @@ impl Llm {
         let mut next_number = 0;
         // (request number, its state, its cache, the token to feed next)
         let mut live = Vec::new();
+        let mut stats = BatchStats::default();
+        let record = |stats: &BatchStats| *self.last_stats.lock().unwrap_or_else(|e| e.into_inner()) = *stats;
         loop {
+            let reading = Instant::now();
+            let mut read = 0;
             for request in admit(live.len()) {
+                read += 1;
                 let number = next_number;
                 next_number += 1;
                 let started = self.start(request).and_then(|(mut seq, ids)| {
@@ -530,12 +562,21 @@ impl Llm {
                     Err(e) => done(number, Err(e)),
                 }
             }
+            if read > 0 {
+                stats.prefills += read;
+                stats.prefill_secs += reading.elapsed().as_secs_f64();
+            }
             if live.is_empty() {
+                record(&stats);
                 return;
             }
+            let forward = Instant::now();
             let mut rows: Vec<(u32, &mut P::Cache)> = live.iter_mut().map(|l| (l.3, &mut l.2)).collect();
             let logits = pass.step(&mut rows);
             drop(rows);
+            stats.steps += 1;
+            stats.rows += live.len();
+            stats.forward_secs += forward.elapsed().as_secs_f64();
             let logits = match logits {
                 Ok(l) => l,
                 Err(e) => {
@@ -545,8 +586,11 @@ impl Llm {
                     continue;
                 }
             };
+            let sampling = Instant::now();
             let samplers: Vec<&mut LogitsProcessor> = live.iter_mut().map(|l| &mut l.1.sampler).collect();
             let tokens = sample_rows(samplers, logits);
+            stats.sample_secs += sampling.elapsed().as_secs_f64();
+            let text = Instant::now();
             let mut still = Vec::with_capacity(live.len());
             for ((number, mut seq, cache, _), token) in live.into_iter().zip(tokens) {
                 match token.and_then(|token| seq.accept(self, token)) {
@@ -556,6 +600,7 @@ impl Llm {
                 }
             }
             live = still;
+            stats.text_secs += text.elapsed().as_secs_f64();
         }
     }
 
