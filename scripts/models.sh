@@ -8,6 +8,7 @@
 #   testdata/librivox/    LibriVox speech clips + transcripts   (Debian pocketsphinx-testdata)
 #   testdata/cards/       isolated words ("ten of clubs") + transcripts          (same package)
 #   testdata/phrases/     short phrases (goforward, numbers, something), no transcripts (same)
+#   testdata/mp3/         the LibriVox clips as 32 kbit/s MP3       (encoded here, PyPI lameenc 1.9.0)
 #
 # Usage: scripts/models.sh [--all]     (TERN_MODELS_DIR, default ~/.cache/tern/models)
 # Without --all: what CI and the demo need (Whisper tiny.en and the test audio).
@@ -68,6 +69,32 @@ for name in ("goforward", "numbers", "something"):
         w.setnchannels(1); w.setsampwidth(2); w.setframerate(16000)
         w.writeframes(open(f"{src}/{name}.raw", "rb").read())
 PY
+fi
+
+# The LibriVox clips re-encoded as 32 kbit/s MP3 (LAME, through PyPI's lameenc 1.9.0), for the
+# tests of audio embeddings: the same speech through a lossy codec.
+if [[ ! -f "$dir/testdata/mp3/done" ]]; then
+  say "encoding the LibriVox clips as MP3 (lameenc 1.9.0)"
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --disable-pip-version-check -d "$work/dl" lameenc==1.9.0
+  python3 -m pip install --quiet --no-deps --disable-pip-version-check --root-user-action=ignore --target "$work/lameenc" "$work"/dl/lameenc-*.whl
+  rm -rf "$dir/testdata/mp3" && mkdir -p "$dir/testdata/mp3"
+  PYTHONPATH="$work/lameenc" python3 - "$dir/testdata/librivox" "$dir/testdata/mp3" <<'PY'
+import glob, os, sys, wave
+import lameenc
+src, out = sys.argv[1:]
+for path in sorted(glob.glob(f"{src}/*.wav")):
+    with wave.open(path) as w:
+        enc = lameenc.Encoder()
+        enc.set_bit_rate(32)
+        enc.set_in_sample_rate(w.getframerate())
+        enc.set_channels(w.getnchannels())
+        enc.set_quality(2)
+        mp3 = enc.encode(w.readframes(w.getnframes())) + enc.flush()
+    name = os.path.basename(path)[: -len(".wav")] + ".mp3"
+    with open(os.path.join(out, name), "wb") as f:
+        f.write(mp3)
+PY
+  touch "$dir/testdata/mp3/done"
 fi
 
 if $all; then

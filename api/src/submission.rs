@@ -218,7 +218,7 @@ fn estimated_cost(kind: JobKind, input: &Value) -> i32 {
             let max_tokens = input["max_tokens"].as_u64().map_or(GENERATE_DEFAULT_MAX_TOKENS, |n| n as usize);
             prompt + max_tokens
         }
-        JobKind::Echo | JobKind::Transcribe => 1,
+        JobKind::Echo | JobKind::Transcribe | JobKind::AudioEmbed => 1,
     };
     cost.clamp(1, i32::MAX as usize) as i32
 }
@@ -300,7 +300,7 @@ fn file_error(field: &str, e: FileRefError) -> ApiError {
 /// job's cost (30 s windows) and enforce `max_audio_seconds`. Audio given by URL is probed by
 /// the worker instead (fetching arbitrary URLs at submit would stall the API).
 pub async fn store_inline_files(job: &mut NewJob, objects: &ObjectStore, max_audio_seconds: f64) -> Result<(), ApiError> {
-    let probes_audio = job.kind == JobKind::Transcribe;
+    let probes_audio = job.kind.costs_audio();
     for field in job.kind.file_fields() {
         let Some(file) = job.input.get(*field) else { continue };
         match FileRef::parse(file).map_err(|e| file_error(field, e))? {

@@ -17,11 +17,15 @@ pub enum JobKind {
     /// Text generation with a small LLM from a prompt or chat messages. Costs prompt tokens plus
     /// `max_tokens`.
     Generate,
+    /// A recording as a vector, from Whisper's encoder (the model `transcribe` runs). Costs one
+    /// unit per 30 s window, batched with transcriptions' windows.
+    #[serde(rename = "audio_embed")]
+    AudioEmbed,
 }
 
 impl JobKind {
     /// Every kind, in a stable order.
-    pub const ALL: &'static [JobKind] = &[JobKind::Echo, JobKind::Transcribe, JobKind::Embed, JobKind::Generate];
+    pub const ALL: &'static [JobKind] = &[JobKind::Echo, JobKind::Transcribe, JobKind::Embed, JobKind::Generate, JobKind::AudioEmbed];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -29,14 +33,29 @@ impl JobKind {
             JobKind::Transcribe => "transcribe",
             JobKind::Embed => "embed",
             JobKind::Generate => "generate",
+            JobKind::AudioEmbed => "audio_embed",
         }
+    }
+
+    /// The kind whose model (and model versions) this kind runs: itself, but `audio_embed`,
+    /// which runs `transcribe`'s Whisper.
+    pub fn model_kind(self) -> JobKind {
+        match self {
+            JobKind::AudioEmbed => JobKind::Transcribe,
+            other => other,
+        }
+    }
+
+    /// Whether its cost is 30 s windows of audio, probed from the file.
+    pub fn costs_audio(self) -> bool {
+        matches!(self, JobKind::Transcribe | JobKind::AudioEmbed)
     }
 
     /// Input fields that carry a file (a [`crate::file_ref::FileRef`]).
     pub fn file_fields(self) -> &'static [&'static str] {
         match self {
             JobKind::Echo => &["file"],
-            JobKind::Transcribe => &["audio"],
+            JobKind::Transcribe | JobKind::AudioEmbed => &["audio"],
             JobKind::Embed | JobKind::Generate => &[],
         }
     }

@@ -102,9 +102,10 @@ pub struct ModelVersion {
     pub workers: Vec<WorkerSwap>,
 }
 
-/// The kinds that run a model.
+/// The kinds whose model versions are registered: those that run a model, but `audio_embed`,
+/// which follows `transcribe`'s ([`JobKind::model_kind`]).
 pub fn has_model(kind: JobKind) -> bool {
-    kind != JobKind::Echo
+    kind != JobKind::Echo && kind.model_kind() == kind
 }
 
 fn version_from_row(row: &sqlx::postgres::PgRow) -> Result<ModelVersion> {

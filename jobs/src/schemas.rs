@@ -23,6 +23,10 @@ pub fn documents(kind: JobKind) -> (&'static str, &'static str) {
             include_str!("../../schemas/generate.input.json"),
             include_str!("../../schemas/generate.output.json"),
         ),
+        JobKind::AudioEmbed => (
+            include_str!("../../schemas/audio_embed.input.json"),
+            include_str!("../../schemas/audio_embed.output.json"),
+        ),
     }
 }
 

@@ -600,8 +600,9 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// Audio embeddings: a recording resampled to 8 kHz (and back, as the service decodes it) or
-/// re-encoded as 8-bit PCM stays nearer its original than any other test recording, and
+/// Audio embeddings: a recording resampled to 8 kHz (and back, as the service decodes it), or
+/// re-encoded as 8-bit PCM or 32 kbit/s MP3, stays nearer its original than any other test
+/// recording, and
 /// embeddings computed in one batch equal those computed one by one.
 #[test]
 fn audio_embeddings_keep_a_recording_nearest_itself_and_batch_as_alone() {
@@ -635,18 +636,22 @@ fn audio_embeddings_keep_a_recording_nearest_itself_and_batch_as_alone() {
     eprintln!("batched against alone: largest difference {worst:.2e}");
     assert!(worst <= 1e-4, "batched embeddings differ from single ones by {worst}");
     // Variants as a client might send them, decoded as the service decodes them.
+    // The LibriVox clips also as 32 kbit/s MP3 (scripts/models.sh encodes them).
     let mut variants = Vec::new();
-    for pcm in &pcms {
+    for (i, pcm) in pcms.iter().enumerate() {
         let at_8k: Vec<f32> = pcm.chunks(2).map(|c| c.iter().sum::<f32>() / c.len() as f32).collect();
-        variants.push(decode_mono_16k(&wav_bytes(&at_8k, 8_000, 16)).unwrap());
-        variants.push(decode_mono_16k(&wav_bytes(pcm, 16_000, 8)).unwrap());
+        variants.push((i, "8 kHz", decode_mono_16k(&wav_bytes(&at_8k, 8_000, 16)).unwrap()));
+        variants.push((i, "8-bit", decode_mono_16k(&wav_bytes(pcm, 16_000, 8)).unwrap()));
+        if let Ok(mp3) = std::fs::read(dir.join(format!("testdata/mp3/{}.mp3", clips[i].0))) {
+            variants.push((i, "MP3", decode_mono_16k(&mp3).unwrap()));
+        }
     }
-    let embedded = embed_all(&mut whisper, &variants, 8);
-    for (v, e) in embedded.iter().enumerate() {
-        let own = v / 2;
+    assert_eq!(variants.iter().filter(|v| v.1 == "MP3").count(), 5, "the MP3 clips: run scripts/models.sh");
+    let variant_pcms: Vec<Vec<f32>> = variants.iter().map(|v| v.2.clone()).collect();
+    let embedded = embed_all(&mut whisper, &variant_pcms, 8);
+    for (&(own, kind, _), e) in variants.iter().zip(&embedded) {
         let scores: Vec<f32> = batched.iter().map(|o| cosine(e, o)).collect();
         let nearest = (0..scores.len()).max_by(|&a, &b| scores[a].total_cmp(&scores[b])).unwrap();
-        let kind = if v % 2 == 0 { "8 kHz" } else { "8-bit" };
         eprintln!("{} as {kind}: cosine {:.4} to its original, next best {:.4}", clips[own].0, scores[own], scores.iter().enumerate().filter(|(i, _)| *i != own).map(|(_, s)| *s).fold(f32::MIN, f32::max));
         assert_eq!(nearest, own, "{} as {kind} is nearest {}", clips[own].0, clips[nearest].0);
     }

@@ -2,8 +2,8 @@
 
 They drop the generated requests whose fate no schema can decide, leaving every other request
 to every check:
-- a transcribe job with base64 audio: the document says it must be audio, a fuzzer's bytes are
-  not (422 `audio_unreadable`, as for any unreadable upload);
+- a transcribe or audio_embed job with base64 audio: the document says it must be audio, a
+  fuzzer's bytes are not (422 `audio_unreadable`, as for any unreadable upload);
 - an `Idempotency-Key` header with a different body `idempotency_key`: the two must be equal
   (400 `invalid_request`), which JSON Schema cannot say across a header and a body;
 - a long-poll (`GET /v1/jobs/{id}?wait=`) of more than 5 s on a job that may never finish: it
@@ -27,7 +27,7 @@ def _jobs(body):
 
 def _base64_audio(job):
     audio = job.get("input", {}).get("audio") if isinstance(job.get("input"), dict) else None
-    return job.get("kind") == "transcribe" and isinstance(audio, dict) and "base64" in audio
+    return job.get("kind") in ("transcribe", "audio_embed") and isinstance(audio, dict) and "base64" in audio
 
 
 def _long_wait(case):

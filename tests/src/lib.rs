@@ -57,6 +57,11 @@ pub fn models_dir() -> PathBuf {
 
 /// A 16 kHz mono 16-bit PCM WAV file holding `samples` (in [-1, 1]).
 pub fn wav_16k_mono(samples: &[f32]) -> Vec<u8> {
+    wav_mono(samples, 16_000)
+}
+
+/// A mono 16-bit PCM WAV file at `rate` Hz holding `samples` (in [-1, 1]).
+pub fn wav_mono(samples: &[f32], rate: u32) -> Vec<u8> {
     let data_len = (samples.len() * 2) as u32;
     let mut out = Vec::with_capacity(44 + data_len as usize);
     out.extend_from_slice(b"RIFF");
@@ -65,8 +70,8 @@ pub fn wav_16k_mono(samples: &[f32]) -> Vec<u8> {
     out.extend_from_slice(&16u32.to_le_bytes()); // fmt chunk size
     out.extend_from_slice(&1u16.to_le_bytes()); // PCM
     out.extend_from_slice(&1u16.to_le_bytes()); // mono
-    out.extend_from_slice(&16_000u32.to_le_bytes()); // sample rate
-    out.extend_from_slice(&32_000u32.to_le_bytes()); // byte rate
+    out.extend_from_slice(&rate.to_le_bytes()); // sample rate
+    out.extend_from_slice(&(2 * rate).to_le_bytes()); // byte rate
     out.extend_from_slice(&2u16.to_le_bytes()); // block align
     out.extend_from_slice(&16u16.to_le_bytes()); // bits per sample
     out.extend_from_slice(b"data");

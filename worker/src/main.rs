@@ -344,8 +344,8 @@ async fn run() -> anyhow::Result<()> {
             store: runner.store.clone(),
             engine: engine.clone(),
             worker_id: worker_id.clone(),
-            kinds: kinds.iter().copied().filter(|k| engine::cache::Family::of_kind(*k).is_some()).collect(),
-            current: kinds.iter().map(|k| (*k, active.get(k).map(|t| t.version))).collect(),
+            kinds: model_swap::swapped_kinds(&kinds),
+            current: model_swap::swapped_kinds(&kinds).into_iter().map(|k| (k, active.get(&k).map(|t| t.version))).collect(),
             defaults,
             failed: Default::default(),
         };

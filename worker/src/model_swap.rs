@@ -33,7 +33,7 @@ pub struct Swapper {
 /// swapped-in model from its first job.
 pub async fn active_at_start(store: &Store, kinds: &[JobKind]) -> HashMap<JobKind, Target> {
     let mut active = HashMap::new();
-    for kind in kinds.iter().copied().filter(|k| Family::of_kind(*k).is_some()) {
+    for kind in swapped_kinds(kinds) {
         match store.active_model(kind).await {
             Ok(Some(t)) => {
                 active.insert(kind, t);
@@ -43,6 +43,15 @@ pub async fn active_at_start(store: &Store, kinds: &[JobKind]) -> HashMap<JobKin
         }
     }
     active
+}
+
+/// The kinds whose model versions a worker serving `kinds` follows: those that run a model,
+/// each once under the kind that owns its versions (`audio_embed` follows `transcribe`).
+pub fn swapped_kinds(kinds: &[JobKind]) -> Vec<JobKind> {
+    let mut out: Vec<JobKind> = kinds.iter().map(|k| k.model_kind()).filter(|k| Family::of_kind(*k).is_some()).collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 impl Swapper {

@@ -473,3 +473,75 @@ mod tests {
         assert_eq!(v["segments"][1]["end"], 3723.25);
     }
 }
+
+/// Embed audio: `POST /v1/audio/embeddings`, a multipart form with the `file` (as for
+/// transcriptions) and optionally `encoding_format` (`float`, the default, or `base64`: little-
+/// endian f32) and `windows` (`true` adds each 30 s window's vector after the recording's, with
+/// its `start` and `end` in seconds). Runs an `audio_embed` job; OpenAI's embeddings list, with
+/// the recording's vector at index 0 and usage in seconds of audio as for transcriptions.
+pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: HeaderMap, mut form: Multipart) -> Result<Response, OpenAiError> {
+    let tenant = caller.require("jobs:write")?.tenant.clone();
+    let bad_form = |e: axum::extract::multipart::MultipartError| {
+        let status = e.status();
+        OpenAiError { status, code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None }
+    };
+    let (mut file, mut base64, mut windows) = (None, false, false);
+    // As for transcriptions, the whole form is read before a bad field is refused.
+    let mut refused = None;
+    while let Some(field) = form.next_field().await.map_err(bad_form)? {
+        let name = field.name().unwrap_or_default().to_string();
+        if name == "file" {
+            file = Some(field.bytes().await.map_err(bad_form)?);
+            continue;
+        }
+        let value = field.text().await.map_err(bad_form)?;
+        let refusal = match (name.as_str(), value.as_str()) {
+            ("encoding_format", "float" | "base64") => {
+                base64 = value == "base64";
+                None
+            }
+            ("encoding_format", other) => Some(OpenAiError::invalid("invalid_encoding_format", format!("{other:?}: use float or base64"), "encoding_format")),
+            ("windows", "true" | "false") => {
+                windows = value == "true";
+                None
+            }
+            ("windows", other) => Some(OpenAiError::invalid("invalid_windows", format!("{other:?}: use true or false"), "windows")),
+            // Any model name (the workers' Whisper runs) and other fields are ignored, as by
+            // transcriptions: clients send fields of their own.
+            _ => None,
+        };
+        if refused.is_none() {
+            refused = refusal;
+        }
+    }
+    if let Some(e) = refused {
+        return Err(e);
+    }
+    let file = file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))?;
+    let key = format!("{UPLOAD_PREFIX}{}/{}", crate::routes::uploads::tenant_segment(&tenant), Uuid::now_v7());
+    state.objects.put(&key, file, "application/octet-stream").await.map_err(crate::error::ApiError::from)?;
+    let job = json!({ "kind": "audio_embed", "input": { "audio": { "upload_key": key }, "windows": windows } });
+    let mut waited = Waited::submit(&state, &tenant, job, &headers).await?;
+    let job_header = waited.header();
+    let job = waited.finished().await?;
+    let output = waited.output(&job).await?;
+    Ok(([job_header], Json(audio_embeddings_response(&output, base64))).into_response())
+}
+
+/// OpenAI's embeddings list from an `audio_embed` output: the recording's vector, then its
+/// windows' (with `start` and `end`) where asked for.
+fn audio_embeddings_response(output: &Value, base64: bool) -> Value {
+    let encode = |vector: &Value| {
+        if !base64 {
+            return vector.clone();
+        }
+        let floats = vector.as_array().map_or(&[][..], Vec::as_slice);
+        let bytes: Vec<u8> = floats.iter().flat_map(|f| (f.as_f64().unwrap_or(0.0) as f32).to_le_bytes()).collect();
+        json!(base64::Engine::encode(&base64::engine::general_purpose::STANDARD, bytes))
+    };
+    let mut data = vec![json!({ "object": "embedding", "index": 0, "embedding": encode(&output["embedding"]) })];
+    for (i, w) in output["windows"].as_array().map_or(&[][..], Vec::as_slice).iter().enumerate() {
+        data.push(json!({ "object": "embedding", "index": i + 1, "embedding": encode(&w["embedding"]), "start": w["start"], "end": w["end"] }));
+    }
+    json!({ "object": "list", "data": data, "model": output["model"], "usage": usage(output) })
+}

@@ -1,6 +1,7 @@
 //! OpenAI-compatible routes, so that code written against OpenAI's API (its SDKs, LangChain,
 //! LiteLLM) runs on tern unchanged: `POST /v1/audio/transcriptions`, `/v1/audio/translations`,
-//! `/v1/embeddings`, `/v1/chat/completions`, `/v1/completions`, `GET /v1/models`, and the
+//! `/v1/embeddings`, `/v1/audio/embeddings` (tern's own: a recording as a vector),
+//! `/v1/chat/completions`, `/v1/completions`, `GET /v1/models`, and the
 //! Batch API over them (`/v1/files`, `/v1/batches`, see [`batch`]).
 //!
 //! Each request is a job like any other: the same API keys (`Authorization: Bearer`), checks,
@@ -43,6 +44,7 @@ pub fn router(max_audio_upload: usize, max_batch_file: usize) -> Router<AppState
             post(audio::transcriptions).layer(DefaultBodyLimit::max(max_audio_upload)),
         )
         .route("/v1/audio/translations", post(audio::translations).layer(DefaultBodyLimit::max(max_audio_upload)))
+        .route("/v1/audio/embeddings", post(audio::embeddings).layer(DefaultBodyLimit::max(max_audio_upload)))
         .route("/v1/embeddings", post(embeddings::create))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(chat::completions))

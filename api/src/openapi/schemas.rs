@@ -44,6 +44,8 @@ pub enum JobKind {
     Transcribe,
     Embed,
     Generate,
+    #[serde(rename = "audio_embed")]
+    AudioEmbed,
 }
 
 /// Where a job is in its life. `succeeded`, `failed` and `canceled` are final.

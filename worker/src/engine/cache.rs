@@ -32,7 +32,7 @@ impl Family {
         use tern_jobs::JobKind;
         match kind {
             JobKind::Echo => None,
-            JobKind::Transcribe => Some(Family::Whisper),
+            JobKind::Transcribe | JobKind::AudioEmbed => Some(Family::Whisper),
             JobKind::Embed => Some(Family::Embedder),
             JobKind::Generate => Some(Family::Llm),
         }

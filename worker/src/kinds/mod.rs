@@ -1,5 +1,6 @@
 //! One executor per job kind.
 
+pub mod audio_embed;
 pub mod echo;
 pub mod embed;
 pub mod generate;
@@ -111,5 +112,6 @@ pub async fn execute(job: &Job, ctx: &Context<'_>) -> Execution {
         tern_jobs::JobKind::Transcribe => transcribe::run(job, ctx).await,
         tern_jobs::JobKind::Embed => embed::run(job, ctx).await,
         tern_jobs::JobKind::Generate => generate::run(job, ctx).await,
+        tern_jobs::JobKind::AudioEmbed => audio_embed::run(job, ctx).await,
     }
 }

@@ -17,34 +17,10 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let Some(engine) = ctx.engine else {
         return permanent("model_unavailable", "this worker has no model engine");
     };
-    let file = match input.get("audio").map(FileRef::parse) {
-        Some(Ok(f)) => f,
-        Some(Err(e)) => return permanent(e.code(), e.to_string()),
-        None => return permanent("invalid_input", "input.audio is required"),
+    let pcm = match audio_of(job, ctx).await {
+        Ok(pcm) => pcm,
+        Err(stopped_or_failed) => return stopped_or_failed,
     };
-    let bytes = match ctx.files.fetch(&file).await {
-        Ok(b) => b,
-        Err((failure, permanent)) => return Execution::Failed { failure, permanent },
-    };
-    // Decoding stops at the limit (at once where the headers state a longer duration): a long
-    // recording never costs more memory than the limit's worth of samples.
-    let limit = ctx.max_audio_seconds;
-    let pcm = match tokio::task::spawn_blocking(move || audio::decode_mono_16k_within(&bytes, limit)).await {
-        Ok(Ok(pcm)) => pcm,
-        Ok(Err(e)) => return permanent(e.code(), e.to_string()),
-        Err(e) => return Execution::Failed { failure: Failure::new("inference_failed", e.to_string()), permanent: false },
-    };
-    let duration = pcm.len() as f64 / f64::from(audio::SAMPLE_RATE);
-    // Audio given by URL was priced at one window before its duration was known.
-    let windows = audio::windows_for(duration) as i32;
-    if windows != job.cost {
-        if let Err(e) = ctx.store.set_cost(job.id, windows).await {
-            tracing::warn!(error = %e, job = %job.id, "could not record the audio's cost");
-        }
-    }
-    if ctx.stop.reason().is_some() {
-        return Execution::Stopped;
-    }
     let options = TranscribeOptions {
         language: input.get("language").and_then(Value::as_str).map(str::to_string),
         task: if input.get("task").and_then(Value::as_str) == Some("translate") { Task::Translate } else { Task::Transcribe },
@@ -108,4 +84,39 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         ],
         inline: false,
     }
+}
+
+/// The job's `audio`, fetched, decoded to 16 kHz mono off the async runtime and checked against
+/// the duration limit; its cost in 30 s windows recorded where it was not known at submit
+/// (audio given by URL). `Err`: the execution to report (a failure, or stopped).
+pub(super) async fn audio_of(job: &Job, ctx: &Context<'_>) -> Result<Vec<f32>, Execution> {
+    let file = match job.input.get("audio").map(FileRef::parse) {
+        Some(Ok(f)) => f,
+        Some(Err(e)) => return Err(permanent(e.code(), e.to_string())),
+        None => return Err(permanent("invalid_input", "input.audio is required")),
+    };
+    let bytes = match ctx.files.fetch(&file).await {
+        Ok(b) => b,
+        Err((failure, permanent)) => return Err(Execution::Failed { failure, permanent }),
+    };
+    // Decoding stops at the limit (at once where the headers state a longer duration): a long
+    // recording never costs more memory than the limit's worth of samples.
+    let limit = ctx.max_audio_seconds;
+    let pcm = match tokio::task::spawn_blocking(move || audio::decode_mono_16k_within(&bytes, limit)).await {
+        Ok(Ok(pcm)) => pcm,
+        Ok(Err(e)) => return Err(permanent(e.code(), e.to_string())),
+        Err(e) => return Err(Execution::Failed { failure: Failure::new("inference_failed", e.to_string()), permanent: false }),
+    };
+    let duration = pcm.len() as f64 / f64::from(audio::SAMPLE_RATE);
+    // Audio given by URL was priced at one window before its duration was known.
+    let windows = audio::windows_for(duration) as i32;
+    if windows != job.cost {
+        if let Err(e) = ctx.store.set_cost(job.id, windows).await {
+            tracing::warn!(error = %e, job = %job.id, "could not record the audio's cost");
+        }
+    }
+    if ctx.stop.reason().is_some() {
+        return Err(Execution::Stopped);
+    }
+    Ok(pcm)
 }
