@@ -197,6 +197,28 @@ fn half_precision_transcripts_of_tiny_en_equal_faster_whispers_but_for_named_few
     assert!(unexpected.is_empty(), "tiny.en transcripts differ from faster-whisper's on {unexpected:?}");
 }
 
+/// With BF16 products (`Precision::Auto` on a CPU with AVX-512 BF16 or AMX: the decoder's and
+/// encoder's products in BF16, accumulated in F32) the greedy transcripts of tiny.en and base
+/// stay faster-whisper's
+/// (F32) but for these (model, recording): base's punctuation of clip 0920 ("woman, he" and
+/// "was." against "woman he" and "was?"), a close call between tokens that rounding tips.
+/// Skipped where the CPU has no BF16 products.
+const BF16_PRODUCTS_DIFFER: &[(&str, &str)] = &[("whisper-base", "sense_and_sensibility_01_austen_64kb-0920")];
+
+#[test]
+fn bf16_products_transcripts_of_tiny_en_and_base_equal_faster_whispers_but_for_named_few() {
+    let Some(kernel) = Precision::cpu_bf16_kernel() else {
+        eprintln!("SKIPPED: this CPU has no BF16 products (AVX-512 BF16 or AMX)");
+        return;
+    };
+    eprintln!("BF16 products on {kernel}");
+    for (model, language) in [("whisper-tiny.en", None), ("whisper-base", Some("en"))] {
+        let Some(differ) = differing(model, Precision::Auto, language, 1) else { return };
+        let unexpected: Vec<&String> = differ.iter().filter(|d| !BF16_PRODUCTS_DIFFER.contains(&(model, d.as_str()))).collect();
+        assert!(unexpected.is_empty(), "{model} transcripts differ from faster-whisper's on {unexpected:?}");
+    }
+}
+
 /// Beam search of 5 (faster-whisper's default) as faster-whisper's.
 #[test]
 fn beam_search_transcripts_of_tiny_en_equal_faster_whispers() {
