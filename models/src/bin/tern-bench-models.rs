@@ -103,6 +103,12 @@ struct Args {
     /// candle's ops with them `quantized` (as stored) or `dense` (dequantized to F32 at load).
     #[arg(long, default_value = "auto")]
     llm_weights: String,
+    /// Also transcribe the clips with faster-whisper (float32, on the same CTranslate2 weights,
+    /// `scripts/peers/whisper_reference.py`) through this Python (`scripts/services.sh
+    /// faster-whisper` makes one: `$TERN_STATE_DIR/faster-whisper/venv/bin/python`), and print
+    /// its word error rate beside tern's, same clips, same normalisation (`wer.rs`).
+    #[arg(long, env = "TERN_FASTER_WHISPER_PYTHON")]
+    faster_whisper_python: Option<PathBuf>,
 }
 
 fn parse_device(s: &str) -> Result<Device> {
@@ -244,10 +250,56 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         "{:>8} {:>16} {:>10} {:>14} {:>16} {:>10}",
         "budget", "clips audio-s/s", "clips WER", "differ from 1", "long audio-s/s", "long WER"
     );
-    for (budget, short_rate, wer, differ, long_rate, long_wer) in rows {
+    for (budget, short_rate, wer, differ, long_rate, long_wer) in &rows {
         println!("{budget:>8} {short_rate:>16.1} {wer:>9.1}% {differ:>14} {long_rate:>16.1} {long_wer:>9.1}%");
     }
+    if let Some(python) = &args.faster_whisper_python {
+        let (theirs, version) = faster_whisper_wer(python, args, dir, &clips, &short)?;
+        println!(
+            "clips WER, the same clips and normalisation: tern {:.1}% (budget {}, padding {:?}, beam {}), faster-whisper {version} {theirs:.1}% (full padding, beam {}, float32)",
+            rows.first().map_or(0.0, |r| r.2),
+            rows.first().map_or(0, |r| r.0),
+            args.padding,
+            args.beam_size,
+            args.beam_size
+        );
+    }
     Ok(())
+}
+
+/// faster-whisper's transcripts of the LibriVox clips (`scripts/peers/whisper_reference.py`,
+/// greedy or with `--beam-size`), scored as tern's are over `short`: its WER (percent) and
+/// version.
+fn faster_whisper_wer(python: &Path, args: &Args, dir: &Path, clips: &[(Vec<f32>, String)], short: &[&(Vec<f32>, String)]) -> Result<(f64, String)> {
+    let librivox = dir.join("testdata/librivox");
+    let ids: Vec<String> = std::fs::read_to_string(librivox.join("transcription"))?
+        .lines()
+        .filter_map(|l| l.rsplit_once(" (").map(|(_, id)| id.trim_end_matches(')').to_string()))
+        .collect();
+    anyhow::ensure!(ids.len() == clips.len(), "clip ids and clips differ");
+    let out = std::env::temp_dir().join(format!("tern-faster-whisper-{}", std::process::id()));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peers/whisper_reference.py");
+    let mut cmd = std::process::Command::new(python);
+    cmd.arg(&script).arg("--models").arg(dir).arg("--out").arg(&out).arg("--model").arg(&args.whisper_model);
+    if args.beam_size > 1 {
+        cmd.arg("--beam").arg(args.beam_size.to_string());
+    }
+    cmd.args(ids.iter().map(|id| librivox.join(format!("{id}.wav"))));
+    let status = cmd.stdout(std::process::Stdio::null()).status().with_context(|| format!("running {}", python.display()))?;
+    anyhow::ensure!(status.success(), "faster-whisper's reference failed: {status}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("reference.json"))?)?;
+    let _ = std::fs::remove_dir_all(&out);
+    let run = if args.beam_size > 1 { format!("beam{}", args.beam_size) } else { "greedy".to_string() };
+    let texts = &json["transcripts"][&args.whisper_model][run.as_str()];
+    let (mut errors, mut total) = (0, 0);
+    for (pcm, reference) in short {
+        let at = clips.iter().position(|(p, _)| std::ptr::eq(p, pcm)).context("a clip of the list")?;
+        let text = texts[&ids[at]].as_str().with_context(|| format!("no transcript of {}", ids[at]))?;
+        let r = words(reference);
+        errors += word_errors(&r, &words(text));
+        total += r.len();
+    }
+    Ok((100.0 * errors as f64 / total.max(1) as f64, json["faster_whisper"].as_str().unwrap_or("?").to_string()))
 }
 
 /// Sentences of about 15 tokens, varied so tokenisation is not trivially repeated.
