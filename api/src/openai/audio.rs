@@ -194,15 +194,21 @@ enum Answer {
 }
 
 /// Reads the multipart form: the file and the options.
-async fn read(mut form: Multipart, task: &'static str) -> Result<(Transcription, Bytes), OpenAiError> {
+async fn read(form: Multipart, task: &'static str) -> Result<(Transcription, Bytes), OpenAiError> {
+    let mut request = Transcription::new(task);
+    let file = read_form(form, |name, value| request.set(name, value)).await?;
+    Ok((request.check()?, file))
+}
+
+/// Reads a multipart form of an audio `file` and options, each option handed to `set`; the
+/// non-empty file. The whole form is read before a bad option is refused: answering with the
+/// upload still unread makes the server close the connection, which a client may be reusing.
+async fn read_form(mut form: Multipart, mut set: impl FnMut(&str, String) -> Result<(), OpenAiError>) -> Result<Bytes, OpenAiError> {
     let bad_form = |e: axum::extract::multipart::MultipartError| {
         let status = e.status();
         OpenAiError { status, code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None }
     };
-    let mut request = Transcription::new(task);
     let mut file = None;
-    // The whole form is read before a bad option is refused: answering with the upload still
-    // unread makes the server close the connection, which a client may be reusing already.
     let mut refused = None;
     while let Some(field) = form.next_field().await.map_err(bad_form)? {
         let name = field.name().unwrap_or_default().to_string();
@@ -211,15 +217,14 @@ async fn read(mut form: Multipart, task: &'static str) -> Result<(Transcription,
             continue;
         }
         let value = field.text().await.map_err(bad_form)?;
-        if let (Err(e), None) = (request.set(&name, value), &refused) {
+        if let (Err(e), None) = (set(&name, value), &refused) {
             refused = Some(e);
         }
     }
     if let Some(e) = refused {
         return Err(e);
     }
-    let file = file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))?;
-    Ok((request.check()?, file))
+    file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))
 }
 
 /// Transcribe audio.
@@ -479,45 +484,24 @@ mod tests {
 /// endian f32) and `windows` (`true` adds each 30 s window's vector after the recording's, with
 /// its `start` and `end` in seconds). Runs an `audio_embed` job; OpenAI's embeddings list, with
 /// the recording's vector at index 0 and usage in seconds of audio as for transcriptions.
-pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: HeaderMap, mut form: Multipart) -> Result<Response, OpenAiError> {
+pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart) -> Result<Response, OpenAiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
-    let bad_form = |e: axum::extract::multipart::MultipartError| {
-        let status = e.status();
-        OpenAiError { status, code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None }
-    };
-    let (mut file, mut base64, mut windows) = (None, false, false);
-    // As for transcriptions, the whole form is read before a bad field is refused.
-    let mut refused = None;
-    while let Some(field) = form.next_field().await.map_err(bad_form)? {
-        let name = field.name().unwrap_or_default().to_string();
-        if name == "file" {
-            file = Some(field.bytes().await.map_err(bad_form)?);
-            continue;
-        }
-        let value = field.text().await.map_err(bad_form)?;
-        let refusal = match (name.as_str(), value.as_str()) {
-            ("encoding_format", "float" | "base64") => {
-                base64 = value == "base64";
-                None
+    let (mut base64, mut windows) = (false, false);
+    let file = read_form(form, |name, value| {
+        match (name, value.as_str()) {
+            ("encoding_format", "float" | "base64") => base64 = value == "base64",
+            ("encoding_format", other) => {
+                return Err(OpenAiError::invalid("invalid_encoding_format", format!("{other:?}: use float or base64"), "encoding_format"))
             }
-            ("encoding_format", other) => Some(OpenAiError::invalid("invalid_encoding_format", format!("{other:?}: use float or base64"), "encoding_format")),
-            ("windows", "true" | "false") => {
-                windows = value == "true";
-                None
-            }
-            ("windows", other) => Some(OpenAiError::invalid("invalid_windows", format!("{other:?}: use true or false"), "windows")),
+            ("windows", "true" | "false") => windows = value == "true",
+            ("windows", other) => return Err(OpenAiError::invalid("invalid_windows", format!("{other:?}: use true or false"), "windows")),
             // Any model name (the workers' Whisper runs) and other fields are ignored, as by
             // transcriptions: clients send fields of their own.
-            _ => None,
-        };
-        if refused.is_none() {
-            refused = refusal;
+            _ => {}
         }
-    }
-    if let Some(e) = refused {
-        return Err(e);
-    }
-    let file = file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))?;
+        Ok(())
+    })
+    .await?;
     let key = format!("{UPLOAD_PREFIX}{}/{}", crate::routes::uploads::tenant_segment(&tenant), Uuid::now_v7());
     state.objects.put(&key, file, "application/octet-stream").await.map_err(crate::error::ApiError::from)?;
     let job = json!({ "kind": "audio_embed", "input": { "audio": { "upload_key": key }, "windows": windows } });
