@@ -12,6 +12,7 @@
 #   whisper    tern-bench-models on Whisper tiny.en, greedy: window budgets 1..1024 with greedy
 #              picks on the device, then 1,024 windows with host picks (as before) and on the
 #              device again, GPU use sampled; beam 5 at 256 windows
+#   whisper-base  the same for Whisper base (stage.sh's `base` pack): budgets 1 and 1,024
 #   generate   tern-bench-models' generation (1..256 requests together) on the language model's
 #              matrices quantized as stored and dense (dequantized at load), GPU use sampled
 #   service    tern-bench-transcribe through API, queue, worker and S3, tiny.en and base, window
@@ -109,6 +110,13 @@ whisper() {
   done
   step "whisper: tiny.en beam 5 at 256 windows"
   "$b" --device cuda --only transcribe --whisper-model $m --clips 1024 --beam-size 5 --budgets 256 2>&1 | tee "$OUT/whisper-beam5.log"
+}
+
+whisper-base() {
+  local b="$ROOT/bin/tern-bench-models"
+  step "whisper: base greedy, picks on the device, budgets 1 and 1024, trimmed and full padding"
+  "$b" --device cuda --only transcribe --whisper-model whisper-base --clips 512 --beam-size 1 --budgets 1,1024 2>&1 | tee "$OUT/base-trimmed.log"
+  "$b" --device cuda --only transcribe --whisper-model whisper-base --clips 512 --beam-size 1 --padding full --budgets 1024 2>&1 | tee "$OUT/base-full.log"
 }
 
 # busy SAMPLES.csv LOG: the mean of nvidia-smi's utilization.gpu over the samples taken while

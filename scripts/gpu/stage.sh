@@ -9,7 +9,8 @@
 #        git-ignored). `generate` packs only tern-bench-models and the language model, for
 #        round.sh's `generate` stage (two parts instead of nine); `models` packs
 #        tern-bench-models, Whisper tiny.en, the language model and the test audio, for the
-#        in-process stages `whisper` and `generate` and their peers (four parts).
+#        in-process stages `whisper` and `generate` and their peers (three parts of 59 MB);
+#        `base` the same with Whisper base alone, for `whisper-base`.
 #
 # Needs, here: `cargo build --release -p tern-api -p tern-e2e --bins` (ordinary); the CUDA build
 # of docs/gpu.md, its tern-worker and tern-bench-models copied to $TERN_CUDA_BIN (default
@@ -38,11 +39,15 @@ if [[ "${2:-}" == generate ]]; then
   exit 0
 fi
 
-if [[ "${2:-}" == models ]]; then
+if [[ "${2:-}" == models || "${2:-}" == base ]]; then
   mkdir -p "$stage/bin" "$stage/models"
   cp "$cuda_bin/tern-bench-models" "$stage/bin/"
   strip "$stage/bin/tern-bench-models"
-  cp -r "$TERN_MODELS_DIR"/{whisper-tiny.en,smollm2-135m-instruct,testdata} "$stage/models/"
+  if [[ "$2" == base ]]; then
+    cp -r "$TERN_MODELS_DIR"/{whisper-base,testdata} "$stage/models/"
+  else
+    cp -r "$TERN_MODELS_DIR"/{whisper-tiny.en,smollm2-135m-instruct,testdata} "$stage/models/"
+  fi
   pack
   exit 0
 fi
