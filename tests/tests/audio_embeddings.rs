@@ -77,6 +77,7 @@ async fn recordings_embed_nearest_their_own_other_encodings_through_the_service(
         let (job, out) = output(&cluster, *id).await;
         tern_jobs::schemas::validate_output(tern_jobs::JobKind::AudioEmbed, &out).unwrap();
         assert_eq!(job["kind"], "audio_embed");
+        assert_eq!(job["output"]["inline"], out, "a small output is inlined, the same as the stored one");
         assert_eq!(job["cost"], 1, "a clip under 30 s is one window");
         assert_eq!(out["model"], "whisper-tiny.en");
         assert_eq!(out["dimensions"], 384, "tiny's width");
