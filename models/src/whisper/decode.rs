@@ -82,23 +82,17 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&l| l - lse).collect()
 }
 
-/// The token rules of faster-whisper's decoder (CTranslate2's `disable_ids`,
-/// `disable_ids_begin` and `ApplyTimestampRules`, themselves OpenAI's `SuppressTokens`,
-/// `SuppressBlank` and `ApplyTimestampRules`) on one logits row.
-///
-/// One rule differs from OpenAI's, as CTranslate2 has it: a timestamp may equal the one
-/// before it after text (OpenAI demands a later one, so no segment has zero length).
-fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: bool) {
+/// The tokens never sampled, whatever came before: the model's suppress list (without one,
+/// every special token but EOT) and `<|notimestamps|>`.
+fn suppress_always(logits: &mut [f32], sp: &Specials) {
     let neg = f32::NEG_INFINITY;
-    let n = logits.len();
-    let vocab = n as u32;
+    let vocab = logits.len() as u32;
     for &t in &sp.suppress {
         if t < vocab {
             logits[t as usize] = neg;
         }
     }
     if sp.suppress.is_empty() {
-        // Without the model's list, no special token but EOT is sampled.
         for t in (sp.eot + 1)..sp.timestamp_begin.min(vocab) {
             logits[t as usize] = neg;
         }
@@ -106,42 +100,30 @@ fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: b
     if sp.no_timestamps < vocab {
         logits[sp.no_timestamps as usize] = neg;
     }
+}
+
+/// The token rules of faster-whisper's decoder (CTranslate2's `disable_ids`,
+/// `disable_ids_begin` and `ApplyTimestampRules`, themselves OpenAI's `SuppressTokens`,
+/// `SuppressBlank` and `ApplyTimestampRules`) on one logits row: [`suppress_always`], the
+/// first token's suppression, the limits of [`PickLimits::of`], then the forced timestamp.
+fn apply_rules(logits: &mut [f32], sampled: &[u32], sp: &Specials, timestamps: bool) {
+    let neg = f32::NEG_INFINITY;
+    let n = logits.len();
+    suppress_always(logits, sp);
     if sampled.is_empty() {
         for &t in &sp.suppress_begin {
-            if t < vocab {
+            if (t as usize) < n {
                 logits[t as usize] = neg;
             }
         }
     }
-    let tb = sp.timestamp_begin as usize;
-    if !timestamps {
-        logits[tb.min(n)..].fill(neg);
+    let limits = PickLimits::of(sampled, sp, timestamps, n as u32);
+    let tb = (sp.timestamp_begin as usize).min(n);
+    logits[..(limits.low_from as usize).min(tb)].fill(neg);
+    logits[tb..(limits.ts_from as usize).clamp(tb, n)].fill(neg);
+    logits[(limits.ts_to as usize).clamp(tb, n)..].fill(neg);
+    if !timestamps || sampled.is_empty() {
         return;
-    }
-    if sampled.is_empty() {
-        // The first token is a timestamp, at most 1 s in.
-        logits[..tb].fill(neg);
-        let max_initial = tb + MAX_INITIAL_TIMESTAMP_INDEX as usize;
-        if max_initial + 1 < logits.len() {
-            logits[max_initial + 1..].fill(neg);
-        }
-        return;
-    }
-    let is_ts = |t: u32| t >= sp.timestamp_begin;
-    let last_was_ts = sampled.last().is_some_and(|&t| is_ts(t));
-    let penult_was_ts = sampled.len() < 2 || is_ts(sampled[sampled.len() - 2]);
-    if last_was_ts {
-        if penult_was_ts {
-            // A segment just closed and reopened: text must follow.
-            logits[tb..].fill(neg);
-        } else {
-            // A segment's text just ended: the next token is a timestamp or EOT.
-            logits[..sp.eot as usize].fill(neg);
-        }
-    }
-    if let Some(&last_ts) = sampled.iter().rev().find(|&&t| is_ts(t)) {
-        // Timestamps never decrease.
-        logits[tb..(last_ts as usize).min(n)].fill(neg);
     }
     // If timestamps together are likelier than any single text token, force a timestamp.
     // (Compared on raw logits: the log-softmax shifts both sides by the same amount.)
@@ -207,9 +189,10 @@ fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     top
 }
 
-/// Where a greedy row may pick its next token, for [`DevicePicker`]: the rules of
-/// [`apply_rules`] but the last (timestamps forced when likelier than any text token), which
-/// needs the logits. Token ids as F32 (exact below 2^24).
+/// Where a hypothesis may pick its next token under the timestamp rules, from what it sampled
+/// alone: the rules of [`apply_rules`] but the forced timestamp, which needs the logits. The
+/// host ([`apply_rules`]) and the device ([`DevicePicker`]) both apply them. Token ids as F32
+/// (exact below 2^24).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct PickLimits {
     /// Tokens below the first timestamp are allowed from this id (0: all; EOT: only EOT and
@@ -236,6 +219,7 @@ impl PickLimits {
             };
         }
         if sampled.is_empty() {
+            // The first token is a timestamp, at most 1 s in.
             let last = (sp.timestamp_begin + MAX_INITIAL_TIMESTAMP_INDEX + 1).min(vocab) as f32;
             return PickLimits {
                 low_from: tb,
@@ -255,12 +239,16 @@ impl PickLimits {
         };
         if last_was_ts {
             if penult_was_ts {
+                // A segment just closed and reopened: text must follow.
                 limits.ts_from = v;
             } else {
+                // A segment's text just ended: the next token is a timestamp or EOT.
                 limits.low_from = sp.eot as f32;
             }
         }
         if let Some(&last_ts) = sampled.iter().rev().find(|&&t| is_ts(t)) {
+            // Timestamps never decrease (CTranslate2 allows an equal one after text, where
+            // OpenAI demands a later one, so no segment has zero length).
             limits.ts_from = limits.ts_from.max(last_ts as f32);
         }
         limits
@@ -289,24 +277,13 @@ const MASKED: f64 = -1e30;
 
 impl DevicePicker {
     pub fn new(sp: &Specials, vocab: usize, device: &Device) -> Result<DevicePicker> {
-        let mut low = vec![0f32; vocab];
         let tb = (sp.timestamp_begin as usize).min(vocab);
-        low[..tb].fill(1.0);
-        let mut scratch = vec![0f32; vocab];
-        apply_rules(&mut scratch, &[0], sp, false);
-        for (ok, s) in low.iter_mut().zip(&scratch) {
-            if *s == f32::NEG_INFINITY {
-                *ok = 0.0;
-            }
-        }
-        let mut timestamps: Vec<f32> = (0..vocab)
-            .map(|i| if i >= tb { 1.0 } else { 0.0 })
-            .collect();
-        for &t in &sp.suppress {
-            if (t as usize) < vocab {
-                timestamps[t as usize] = 0.0;
-            }
-        }
+        let mut never = vec![0f32; vocab];
+        suppress_always(&mut never, sp);
+        let allowed = |region: std::ops::Range<usize>| -> Vec<f32> {
+            never.iter().enumerate().map(|(i, &l)| if region.contains(&i) && l.is_finite() { 1.0 } else { 0.0 }).collect()
+        };
+        let (low, timestamps) = (allowed(0..tb), allowed(tb..vocab));
         let mut begin_bad = vec![0f32; vocab];
         for &t in &sp.suppress_begin {
             if (t as usize) < vocab {
@@ -322,6 +299,11 @@ impl DevicePicker {
             ids: row(ids)?,
             no_speech: sp.no_speech.map(|t| t as usize).filter(|&t| t < vocab),
         })
+    }
+
+    /// The vocabulary its masks span.
+    fn vocab(&self) -> u32 {
+        self.ids.dim(1).map_or(0, |v| v as u32)
     }
 
     /// `(token, log-probability after the rules, no-speech log-probability before them)` for
@@ -782,7 +764,7 @@ impl<'a> WindowBatch<'a> {
         // where it can.
         let (mut on_host, mut on_device): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
         let mut limits = Vec::new();
-        let vocab = self.picker.map_or(0, |p| p.ids.dim(1).unwrap_or(0) as u32);
+        let vocab = self.picker.map_or(0, DevicePicker::vocab);
         let mut at = 0;
         let routes: Vec<Option<bool>> = self
             .rows
@@ -803,7 +785,10 @@ impl<'a> WindowBatch<'a> {
                 want.then_some(device)
             })
             .collect();
-        let select = |rows: Vec<u32>| -> Result<Tensor> { Ok(hidden.index_select(&Tensor::from_vec(rows.clone(), rows.len(), hidden.device())?, 0)?) };
+        let select = |rows: Vec<u32>| -> Result<Tensor> {
+            let n = rows.len();
+            Ok(hidden.index_select(&Tensor::from_vec(rows, n, hidden.device())?, 0)?)
+        };
         let mut host_logits = if on_host.is_empty() { Vec::new() } else { self.decoder.logits_vecs(&select(on_host)?, 0)? }.into_iter();
         let picks = match self.picker {
             Some(picker) if !on_device.is_empty() => picker.pick(&self.decoder.logits_on_device(&select(on_device)?, 0)?, &limits)?,
