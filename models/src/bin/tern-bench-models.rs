@@ -164,8 +164,15 @@ fn unix_seconds() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// The LibriVox clips and their reference transcripts.
-fn librivox(dir: &Path) -> Result<Vec<(Vec<f32>, String)>> {
+/// A LibriVox clip: its id (the file's stem), 16 kHz samples and reference transcript.
+struct Clip {
+    id: String,
+    pcm: Vec<f32>,
+    text: String,
+}
+
+/// The LibriVox clips, in the transcription file's order.
+fn librivox(dir: &Path) -> Result<Vec<Clip>> {
     let refs = std::fs::read_to_string(dir.join("transcription")).context("test speech missing: run scripts/models.sh")?;
     refs.lines()
         .filter_map(|line| {
@@ -175,7 +182,7 @@ fn librivox(dir: &Path) -> Result<Vec<(Vec<f32>, String)>> {
         })
         .map(|(text, id)| {
             let wav = std::fs::read(dir.join(format!("{id}.wav"))).with_context(|| format!("reading {id}.wav"))?;
-            Ok((decode_mono_16k(&wav)?, text))
+            Ok(Clip { pcm: decode_mono_16k(&wav)?, id, text })
         })
         .collect()
 }
@@ -183,17 +190,17 @@ fn librivox(dir: &Path) -> Result<Vec<(Vec<f32>, String)>> {
 fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     let clips = librivox(&dir.join("testdata/librivox"))?;
     anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
-    let short: Vec<&(Vec<f32>, String)> = clips.iter().cycle().take(args.clips).collect();
-    let short_seconds: f64 = short.iter().map(|(p, _)| p.len() as f64 / 16_000.0).sum();
+    let short: Vec<&Clip> = clips.iter().cycle().take(args.clips).collect();
+    let short_seconds: f64 = short.iter().map(|c| c.pcm.len() as f64 / 16_000.0).sum();
     let mut long = Vec::new();
     let mut long_words = Vec::new();
-    for (pcm, text) in clips.iter().cycle() {
+    for clip in clips.iter().cycle() {
         if long.len() as f64 / 16_000.0 >= args.long_seconds {
             break;
         }
-        long.extend_from_slice(pcm);
+        long.extend_from_slice(&clip.pcm);
         long.extend(std::iter::repeat_n(0.0f32, 8_000));
-        long_words.extend(words(text));
+        long_words.extend(words(&clip.text));
     }
     let long_seconds = long.len() as f64 / 16_000.0;
 
@@ -218,7 +225,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     let mut rows = Vec::new();
     let mut alone: Option<Vec<String>> = None;
     for &budget in &args.budgets {
-        let inputs: Vec<(&[f32], &TranscribeOptions)> = short.iter().map(|(p, _)| (p.as_slice(), &opts)).collect();
+        let inputs: Vec<(&[f32], &TranscribeOptions)> = short.iter().map(|c| (c.pcm.as_slice(), &opts)).collect();
         let pb = progress(inputs.len(), format!("budget {budget}"))?;
         let (t, from) = (Instant::now(), unix_seconds());
         let out = whisper.transcribe_many(&inputs, budget, &|_| false, &mut |_, _| {});
@@ -231,8 +238,8 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
             .map(|r| r.map(|t| t.text).map_err(|e| anyhow::anyhow!("{e:#}")))
             .collect::<Result<Vec<_>>>()?;
         let (mut errors, mut total) = (0, 0);
-        for ((_, reference), text) in short.iter().zip(&texts) {
-            let r = words(reference);
+        for (clip, text) in short.iter().zip(&texts) {
+            let r = words(&clip.text);
             errors += word_errors(&r, &words(text));
             total += r.len();
         }
@@ -270,13 +277,8 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
 /// faster-whisper's transcripts of the LibriVox clips (`scripts/peers/whisper_reference.py`,
 /// greedy or with `--beam-size`), scored as tern's are over `short`: its WER (percent) and
 /// version.
-fn faster_whisper_wer(python: &Path, args: &Args, dir: &Path, clips: &[(Vec<f32>, String)], short: &[&(Vec<f32>, String)]) -> Result<(f64, String)> {
+fn faster_whisper_wer(python: &Path, args: &Args, dir: &Path, clips: &[Clip], short: &[&Clip]) -> Result<(f64, String)> {
     let librivox = dir.join("testdata/librivox");
-    let ids: Vec<String> = std::fs::read_to_string(librivox.join("transcription"))?
-        .lines()
-        .filter_map(|l| l.rsplit_once(" (").map(|(_, id)| id.trim_end_matches(')').to_string()))
-        .collect();
-    anyhow::ensure!(ids.len() == clips.len(), "clip ids and clips differ");
     let out = std::env::temp_dir().join(format!("tern-faster-whisper-{}", std::process::id()));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peers/whisper_reference.py");
     let mut cmd = std::process::Command::new(python);
@@ -284,7 +286,7 @@ fn faster_whisper_wer(python: &Path, args: &Args, dir: &Path, clips: &[(Vec<f32>
     if args.beam_size > 1 {
         cmd.arg("--beam").arg(args.beam_size.to_string());
     }
-    cmd.args(ids.iter().map(|id| librivox.join(format!("{id}.wav"))));
+    cmd.args(clips.iter().map(|c| librivox.join(format!("{}.wav", c.id))));
     let status = cmd.stdout(std::process::Stdio::null()).status().with_context(|| format!("running {}", python.display()))?;
     anyhow::ensure!(status.success(), "faster-whisper's reference failed: {status}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("reference.json"))?)?;
@@ -292,10 +294,9 @@ fn faster_whisper_wer(python: &Path, args: &Args, dir: &Path, clips: &[(Vec<f32>
     let run = if args.beam_size > 1 { format!("beam{}", args.beam_size) } else { "greedy".to_string() };
     let texts = &json["transcripts"][&args.whisper_model][run.as_str()];
     let (mut errors, mut total) = (0, 0);
-    for (pcm, reference) in short {
-        let at = clips.iter().position(|(p, _)| std::ptr::eq(p, pcm)).context("a clip of the list")?;
-        let text = texts[&ids[at]].as_str().with_context(|| format!("no transcript of {}", ids[at]))?;
-        let r = words(reference);
+    for clip in short {
+        let text = texts[&clip.id].as_str().with_context(|| format!("no transcript of {}", clip.id))?;
+        let r = words(&clip.text);
         errors += word_errors(&r, &words(text));
         total += r.len();
     }
