@@ -340,12 +340,13 @@ async fn run() -> anyhow::Result<()> {
     let (registry_stop_tx, registry_stop_rx) = tokio::sync::watch::channel(false);
     let registry_task = tokio::spawn(registry.run(runner.engine.clone(), REGISTRY_INTERVAL, registry_stop_rx));
     if let Some(engine) = &runner.engine {
+        let swapped = model_swap::swapped_kinds(&kinds);
         let swapper = model_swap::Swapper {
             store: runner.store.clone(),
             engine: engine.clone(),
             worker_id: worker_id.clone(),
-            kinds: model_swap::swapped_kinds(&kinds),
-            current: model_swap::swapped_kinds(&kinds).into_iter().map(|k| (k, active.get(&k).map(|t| t.version))).collect(),
+            current: swapped.iter().map(|k| (*k, active.get(k).map(|t| t.version))).collect(),
+            kinds: swapped,
             defaults,
             failed: Default::default(),
         };
