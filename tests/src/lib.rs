@@ -405,6 +405,18 @@ impl Cluster {
         Ok((status, resp.json().await.unwrap_or(Value::Null)))
     }
 
+    /// A succeeded job's record and its primary output, read back from S3 through the
+    /// record's presigned URL (JSON outputs).
+    pub async fn succeeded_output(&self, id: Uuid) -> Result<(Value, Value)> {
+        let (_, job) = self.get(&format!("/v1/jobs/{id}")).await?;
+        if job["state"] != "succeeded" {
+            bail!("job {id} did not succeed: {job}");
+        }
+        let url = job["output"]["url"].as_str().context("a succeeded job has an output URL")?;
+        let output: Value = reqwest::get(url).await?.json().await?;
+        Ok((job, output))
+    }
+
     /// Submits jobs through `POST /v1/jobs/batch`, up to 1,000 and under 8 MiB of JSON a request
     /// (half the API's default body limit, so jobs carrying base64 audio fit); returns their ids
     /// in order.

@@ -6,7 +6,6 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Duration;
 use tern_e2e::Cluster;
-use uuid::Uuid;
 
 fn testdata() -> PathBuf {
     tern_e2e::models_dir().join("testdata")
@@ -35,13 +34,6 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
 
 fn floats(v: &Value) -> Vec<f32> {
     v.as_array().expect("an array of numbers").iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
-
-async fn output(cluster: &Cluster, id: Uuid) -> (Value, Value) {
-    let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
-    assert_eq!(job["state"], "succeeded", "{job}");
-    let body: Value = reqwest::get(job["output"]["url"].as_str().unwrap()).await.unwrap().json().await.unwrap();
-    (job, body)
 }
 
 /// Each LibriVox clip, as sent (WAV), as 32 kbit/s MP3 and resampled to 8 kHz, is embedded by
@@ -74,7 +66,7 @@ async fn recordings_embed_nearest_their_own_other_encodings_through_the_service(
 
     let mut vectors: Vec<Vec<f32>> = Vec::new();
     for (k, id) in job_ids[..15].iter().enumerate() {
-        let (job, out) = output(&cluster, *id).await;
+        let (job, out) = cluster.succeeded_output(*id).await.unwrap();
         tern_jobs::schemas::validate_output(tern_jobs::JobKind::AudioEmbed, &out).unwrap();
         assert_eq!(job["kind"], "audio_embed");
         assert_eq!(job["output"]["inline"], out, "a small output is inlined, the same as the stored one");
@@ -106,7 +98,7 @@ async fn recordings_embed_nearest_their_own_other_encodings_through_the_service(
         println!("{} as {what}: cosine to its original {:.4}, to the others {:?}", ids[own], scores[own], scores);
         assert_eq!(nearest, own, "{} as {what} is nearest {}", ids[own], ids[nearest]);
     }
-    let (_, transcript) = output(&cluster, job_ids[15]).await;
+    let (_, transcript) = cluster.succeeded_output(job_ids[15]).await.unwrap();
     assert!(transcript["text"].as_str().unwrap().to_lowercase().contains("young man"), "{transcript}");
 
     // The OpenAI-style route: the MP3 of clip 2 as a form, float and base64.

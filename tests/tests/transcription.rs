@@ -30,13 +30,6 @@ fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
-async fn output_json(cluster: &Cluster, id: Uuid) -> (Value, Value) {
-    let (_, job) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
-    assert_eq!(job["state"], "succeeded", "{job}");
-    let body: Value = reqwest::get(job["output"]["url"].as_str().unwrap()).await.unwrap().json().await.unwrap();
-    (job, body)
-}
-
 #[tokio::test]
 async fn librivox_clips_are_transcribed_through_the_service_within_ten_percent_word_error_rate() {
     librivox_word_error_rate("whisper-tiny.en", 0.10).await;
@@ -63,7 +56,7 @@ async fn librivox_word_error_rate(model: &str, limit: f64) {
     assert_eq!(counts.get("succeeded"), Some(&(ids.len() as i64)), "{counts:?}");
     let (mut errors, mut total) = (0, 0);
     for ((_, reference), id) in clips.iter().zip(&ids) {
-        let (job, out) = output_json(&cluster, *id).await;
+        let (job, out) = cluster.succeeded_output(*id).await.unwrap();
         tern_jobs::schemas::validate_output(tern_jobs::JobKind::Transcribe, &out).unwrap();
         let r = words(reference);
         let h = words(out["text"].as_str().unwrap());
@@ -108,7 +101,7 @@ async fn long_audio_costs_its_windows_and_is_stitched_in_order() {
     let id: Uuid = job["id"].as_str().unwrap().parse().unwrap();
     let _w = cluster.spawn_worker(&[]).unwrap();
     cluster.wait_terminal(&[id], Duration::from_secs(240)).await.unwrap();
-    let (_, out) = output_json(&cluster, id).await;
+    let (_, out) = cluster.succeeded_output(id).await.unwrap();
     // Stitched in order: the whole transcript against the clips' references, in sequence.
     // (Fixed 30 s windows may cut a word at a join, hence a looser bound than for clips.)
     let heard = words(out["text"].as_str().unwrap());
@@ -164,7 +157,7 @@ async fn bad_audio_fails_with_stable_codes_and_the_worker_keeps_serving() {
     assert_eq!(codes[2].as_deref(), Some("audio_too_long"));
     let attempts: Vec<i32> = sqlx::query_scalar("SELECT attempts FROM jobs WHERE id = ANY($1)").bind(&ids).fetch_all(&cluster.pg).await.unwrap();
     assert!(attempts.iter().all(|a| *a == 1), "bad audio is not retried: {attempts:?}");
-    let (_, out) = output_json(&cluster, good_id).await;
+    let (_, out) = cluster.succeeded_output(good_id).await.unwrap();
     assert!(words(out["text"].as_str().unwrap()).contains(&"young".to_string()), "{out}");
 }
 
@@ -203,8 +196,8 @@ async fn windows_of_several_jobs_batched_together_give_the_same_text_as_each_alo
     assert!(largest >= 4, "several recordings shared a model batch (largest {largest})");
 
     for (a, b) in alone_ids.iter().zip(&batched_ids) {
-        let (_, one) = output_json(&cluster, *a).await;
-        let (_, many) = output_json(&cluster, *b).await;
+        let (_, one) = cluster.succeeded_output(*a).await.unwrap();
+        let (_, many) = cluster.succeeded_output(*b).await.unwrap();
         assert_eq!(one["text"], many["text"]);
         assert_eq!(one["segments"], many["segments"]);
     }
