@@ -140,7 +140,7 @@ end
 
 -- admit() for many jobs at once, each {id, rank, cost, tenant, run_at}, with a few commands per
 -- batch instead of five per job (the queue's Redis time per job was mostly these calls). The
--- jobs take sequence numbers in the order given, as one by one.
+-- jobs take places in the arrival order in the order given, as one by one.
 local function admit_many(jobs, now, step)
   if #jobs == 0 then
     return
@@ -163,15 +163,12 @@ local function admit_many(jobs, now, step)
   if #ready == 0 then
     return
   end
-  local first = next_seq(key('seq'))
-  if #ready > 1 then
-    redis.call('INCRBY', key('seq'), #ready - 1)
-  end
+  local first = next_arrival(key('arrivals'), now, #ready)
   -- Grouped by rank, and by rank and tenant: one ZADD per set.
   local by_rank, by_tenant, groups = {}, {}, {}
   for n, j in ipairs(ready) do
     local rank, tenant = j[2], j[4]
-    local score = ready_score(now, rank, step, first + n - 1)
+    local score = ready_score(first + n - 1, rank, step)
     by_rank[rank] = by_rank[rank] or {}
     local r = by_rank[rank]
     r[#r + 1] = score

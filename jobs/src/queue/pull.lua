@@ -19,7 +19,7 @@ for _, id in ipairs(due) do
   local meta = redis.call('HGET', key('meta'), id)
   if meta and not redis.call('ZSCORE', key('leases'), id) and not is_ready(id) then
     local rank = meta_rank(meta)
-    ready_add(id, rank, meta_tenant(meta), ready_score(now, rank, step, next_seq(key('seq'))))
+    ready_add(id, rank, meta_tenant(meta), ready_score(next_arrival(key('arrivals'), now, 1), rank, step))
   end
 end
 
