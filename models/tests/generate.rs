@@ -323,7 +323,9 @@ fn a_request_admitted_mid_batch_joins_the_running_one_and_each_comes_out_as_alon
 /// The forward pass GPUs run (candle's ops, [`Llm::load_gguf_portable`]), here on the CPU,
 /// with the matrices as the GGUF stores them and dequantized (a GPU's default): it answers as
 /// the model should, and requests of different prompt lengths decoded together, one joining
-/// mid-batch, each come out as they do alone (each keeps its own cache and position).
+/// mid-batch, each come out as they do alone (each keeps its own cache and position). The two
+/// admitted together have their prompts read in one padded pass, and the greedy one's tokens
+/// are picked on the device while the sampled one's logits come to the host.
 #[test]
 fn the_portable_pass_decodes_requests_together_each_as_alone() {
     the_portable_pass_decodes_each_as_alone(WeightLayout::Quantized);

@@ -6,8 +6,10 @@
 //!
 //! A step's attention is one set of kernels for every request: the requests' keys and values
 //! live in caches shared by the batch, a slot (row) each ([`SlotCaches`]), so the number of
-//! kernels a step launches does not grow with the requests in it. The logits still come back
-//! to the host for sampling.
+//! kernels a step launches does not grow with the requests in it, and the prompts of requests
+//! admitted together are read in one pass ([`BatchedLlama::prefill_many`]). A step's logits
+//! stay on the device: greedy requests' tokens are picked there, and only sampled requests'
+//! logits come back to the host.
 
 use std::io::{Read, Seek};
 use std::sync::{Arc, Mutex};
@@ -248,15 +250,78 @@ impl BatchedLlama {
             let y = candle_nn::ops::softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, start + t)?)?;
             y.reshape((1, heads, t, head_dim))?.transpose(1, 2)?.reshape((1, t, heads * head_dim))
         };
-        let logits = self.forward(&ids, &cos, &sin, attend)?;
+        let logits = self.forward(&ids, &cos, &sin, None, attend)?;
         drop(caches);
         cache.len += t;
         Ok(logits.flatten_all()?.to_vec1()?)
     }
 
+    /// Reads the prompts of several requests whose caches are still empty in one pass, each
+    /// right-padded to the longest (its padding comes after its tokens, so causality hides it
+    /// from them; its keys land past the request's length, where its first steps overwrite
+    /// them before attending there). Returns the logits of each prompt's last token, in order.
+    /// A request with tokens already cached, or one alone, is read as by [`Self::prefill`].
+    ///
+    /// On a GPU this is one pass of a few hundred kernels for the whole group instead of one
+    /// per request; the caller bounds the padded tokens per group.
+    pub(crate) fn prefill_many(&self, prompts: &mut [(&[u32], &mut RowCache)]) -> Result<Vec<Vec<f32>>> {
+        if prompts.len() < 2 || prompts.iter().any(|(tokens, cache)| cache.len > 0 || tokens.is_empty()) {
+            return prompts.iter_mut().map(|(tokens, cache)| self.prefill(tokens, cache)).collect();
+        }
+        let n = prompts.len();
+        let t = prompts.iter().map(|(tokens, _)| tokens.len()).max().unwrap_or(1);
+        let mut ids = Vec::with_capacity(n * t);
+        let mut last = Vec::with_capacity(n);
+        for (r, (tokens, _)) in prompts.iter().enumerate() {
+            ids.extend_from_slice(tokens);
+            // Padding repeats the last token: any id in the vocabulary does.
+            ids.extend(std::iter::repeat_n(tokens[tokens.len() - 1], t - tokens.len()));
+            last.push((r * t + tokens.len() - 1) as u32);
+        }
+        let ids = Tensor::from_vec(ids, (n, t), &self.device)?;
+        let last = Tensor::new(last.as_slice(), &self.device)?;
+        let cos = self.cos.narrow(0, 0, t)?;
+        let sin = self.sin.narrow(0, 0, t)?;
+        let Config { heads, kv_heads, head_dim, .. } = self.cfg;
+        let groups = heads / kv_heads;
+        // Causal over the new tokens alone (nothing is cached): a group's heads share keys, so
+        // the mask's rows are the group's heads' tokens in turn, as in `prefill`.
+        let mask = (t > 1)
+            .then(|| {
+                let mask: Vec<f32> = (0..groups * t)
+                    .flat_map(|row| (0..t).map(move |j| if j > row % t { f32::NEG_INFINITY } else { 0.0 }))
+                    .collect();
+                Tensor::from_vec(mask, (groups * t, t), &self.device)
+            })
+            .transpose()?;
+        let slots: Vec<usize> = prompts.iter().map(|(_, cache)| cache.slot).collect();
+        let caches = self.lock_caches();
+        let attend = |l: usize, q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
+            let (ck, cv) = &caches.layers[l];
+            for (r, &slot) in slots.iter().enumerate() {
+                ck.narrow(0, slot, 1)?.slice_set(&k.narrow(0, r, 1)?, 2, 0)?;
+                cv.narrow(0, slot, 1)?.slice_set(&v.narrow(0, r, 1)?, 2, 0)?;
+            }
+            let q = q.reshape((n, kv_heads, groups * t, head_dim))?;
+            let scores = (q.matmul(&k.t()?)? * self.scale())?;
+            let scores = match &mask {
+                Some(mask) => scores.broadcast_add(mask)?,
+                None => scores,
+            };
+            let y = candle_nn::ops::softmax_last_dim(&scores)?.matmul(v)?;
+            y.reshape((n, heads, t, head_dim))?.transpose(1, 2)?.reshape((n, t, heads * head_dim))
+        };
+        let logits = self.forward(&ids, &cos, &sin, Some(&last), attend)?;
+        drop(caches);
+        for (tokens, cache) in prompts.iter_mut() {
+            cache.len = tokens.len();
+        }
+        Ok(logits.to_vec2()?)
+    }
+
     /// One token of each request, at the position after those in its cache; the logits of
-    /// each, in order.
-    pub(crate) fn step(&self, rows: &mut [(u32, &mut RowCache)]) -> Result<Vec<Vec<f32>>> {
+    /// each, in order, `(rows, vocabulary)` on the device.
+    pub(crate) fn step(&self, rows: &mut [(u32, &mut RowCache)]) -> Result<Tensor> {
         let n = rows.len();
         let tokens: Vec<u32> = rows.iter().map(|r| r.0).collect();
         let positions: Vec<u32> = rows.iter().map(|r| r.1.len as u32).collect();
@@ -307,12 +372,12 @@ impl BatchedLlama {
             let y = if in_order { y } else { y.index_select(&back, 0)? };
             y.reshape((n, 1, heads * head_dim))
         };
-        let logits = self.forward(&ids, &cos, &sin, attend)?;
+        let logits = self.forward(&ids, &cos, &sin, None, attend)?;
         drop(caches);
         for row in rows.iter_mut() {
             row.1.len += 1;
         }
-        Ok(logits.to_vec2()?)
+        Ok(logits)
     }
 
     fn scale(&self) -> f64 {
@@ -321,12 +386,14 @@ impl BatchedLlama {
 
     /// `ids` `(rows, t)`: row r's tokens after those already in the caches; `attend(layer, q, k,
     /// v)` stores the new keys and values and returns the attention output `(rows, t, hidden)`.
-    /// Returns the logits of each row's last token, `(rows, vocab)`.
+    /// Returns the logits of each row's last token, `(rows, vocab)`; `last`, where rows are
+    /// padded, names each row's last token as an index into the `rows x t` tokens.
     fn forward(
         &self,
         ids: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
+        last: Option<&Tensor>,
         attend: impl Fn(usize, &Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
         let (rows, t) = ids.dims2()?;
@@ -344,7 +411,10 @@ impl BatchedLlama {
             let gated = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
             x = (x + layer.down.forward(&gated)?)?;
         }
-        let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
+        let last = match last {
+            Some(last) => x.reshape((rows * t, ()))?.index_select(last, 0)?,
+            None => x.narrow(1, t - 1, 1)?.squeeze(1)?,
+        };
         self.output.forward(&self.norm.forward(&last)?)?.to_dtype(DType::F32)
     }
 }

@@ -61,6 +61,11 @@ pub const MAX_CONTEXT_LENGTH: usize = 32_768;
 /// (9 heads x 512 x 4096 x 4 bytes = 75 MB) without costing speed at this model size.
 const PREFILL_CHUNK: usize = 512;
 
+/// Most tokens, padding included (rows x the longest prompt), read in one pass when requests
+/// admitted together have their prompts read together: about what one request of
+/// [`PREFILL_CHUNK`] tokens reads at once, times 8.
+const PREFILL_GROUP_TOKENS: usize = 8 * PREFILL_CHUNK;
+
 /// The byte-level decoder turns an incomplete UTF-8 sequence into this character.
 const REPLACEMENT: char = '\u{FFFD}';
 
@@ -255,14 +260,15 @@ pub struct Llm {
 }
 
 /// Where the time of a call that decodes requests together went ([`Llm::last_batch_stats`]):
-/// reading prompts, the steps' forward passes (until their logits are on the host), sampling,
-/// and the per-token text work (detokenising, stop sequences, callbacks). For benchmarks.
+/// reading prompts, the steps' forward passes, picking tokens, and the per-token text work
+/// (detokenising, stop sequences, callbacks). For benchmarks. On a GPU a step's kernels run
+/// asynchronously: the wait for them falls in picking, where its tokens come back.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct BatchStats {
     /// Decoding steps, and rows over all of them (a step runs one token of each request).
     pub steps: usize,
     pub rows: usize,
-    /// Prompts read, and seconds spent reading them (one request at a time).
+    /// Prompts read, and seconds spent reading them (those admitted together, in groups).
     pub prefills: usize,
     pub prefill_secs: f64,
     pub forward_secs: f64,
@@ -543,23 +549,56 @@ impl Llm {
         loop {
             let reading = Instant::now();
             let mut read = 0;
+            // Requests admitted together whose prompts fit one chunk are read together, in
+            // groups of at most PREFILL_GROUP_TOKENS padded tokens; longer prompts alone, a
+            // chunk at a time.
+            let mut short = Vec::new();
             for request in admit(live.len()) {
                 read += 1;
                 let number = next_number;
                 next_number += 1;
-                let started = self.start(request).and_then(|(mut seq, ids)| {
-                    let mut cache = pass.new_cache(ids.len() + seq.opts.max_tokens)?;
-                    let mut logits = Vec::new();
-                    for chunk in ids.chunks(PREFILL_CHUNK) {
-                        logits = pass.prefill(chunk, &mut cache)?;
-                    }
-                    let step = seq.step(self, &logits_tensor(logits)?)?;
-                    Ok((seq, cache, step))
+                let started = self.start(request).and_then(|(seq, ids)| {
+                    let cache = pass.new_cache(ids.len() + seq.opts.max_tokens)?;
+                    Ok((seq, ids, cache))
                 });
                 match started {
-                    Ok((seq, cache, Step::Next(token))) => live.push((number, seq, cache, token)),
-                    Ok((_, _, Step::Done(generation))) => done(number, Ok(generation)),
+                    Ok((seq, ids, cache)) if ids.len() <= PREFILL_CHUNK => short.push((number, seq, ids, cache)),
+                    Ok((mut seq, ids, mut cache)) => {
+                        let first = ids.chunks(PREFILL_CHUNK).try_fold(Vec::new(), |_, chunk| pass.prefill(chunk, &mut cache));
+                        let step = first.and_then(|logits| seq.step(self, &logits_tensor(logits)?));
+                        self.started(number, seq, cache, step, &mut live, done);
+                    }
                     Err(e) => done(number, Err(e)),
+                }
+            }
+            while !short.is_empty() {
+                let (mut take, mut longest) = (0, 0);
+                while take < short.len() {
+                    let longest_then = longest.max(short[take].2.len());
+                    if take > 0 && longest_then * (take + 1) > PREFILL_GROUP_TOKENS {
+                        break;
+                    }
+                    longest = longest_then;
+                    take += 1;
+                }
+                let mut group: Vec<_> = short.drain(..take).collect();
+                let mut prompts: Vec<(&[u32], &mut P::Cache)> = group.iter_mut().map(|g| (&g.2[..], &mut g.3)).collect();
+                let firsts = pass.prefill_many(&mut prompts);
+                drop(prompts);
+                match firsts {
+                    Ok(firsts) => {
+                        for ((number, mut seq, _, cache), logits) in group.into_iter().zip(firsts) {
+                            let step = logits_tensor(logits).and_then(|logits| seq.step(self, &logits));
+                            self.started(number, seq, cache, step, &mut live, done);
+                        }
+                    }
+                    // Read alone, so that one request's failure is its own.
+                    Err(_) => {
+                        for (number, mut seq, ids, mut cache) in group {
+                            let step = pass.prefill(&ids, &mut cache).and_then(|logits| seq.step(self, &logits_tensor(logits)?));
+                            self.started(number, seq, cache, step, &mut live, done);
+                        }
+                    }
                 }
             }
             if read > 0 {
@@ -577,8 +616,10 @@ impl Llm {
             stats.steps += 1;
             stats.rows += live.len();
             stats.forward_secs += forward.elapsed().as_secs_f64();
-            let logits = match logits {
-                Ok(l) => l,
+            let sampling = Instant::now();
+            let greedy: Vec<bool> = live.iter().map(|l| l.1.opts.temperature <= 0.0).collect();
+            let picks = match logits.and_then(|logits| logits.pick(&greedy)) {
+                Ok(picks) => picks,
                 Err(e) => {
                     for (number, ..) in live.drain(..) {
                         done(number, Err(anyhow!("{e:#}")));
@@ -586,9 +627,8 @@ impl Llm {
                     continue;
                 }
             };
-            let sampling = Instant::now();
             let samplers: Vec<&mut LogitsProcessor> = live.iter_mut().map(|l| &mut l.1.sampler).collect();
-            let tokens = sample_rows(samplers, logits);
+            let tokens = sample_rows(samplers, picks);
             stats.sample_secs += sampling.elapsed().as_secs_f64();
             let text = Instant::now();
             let mut still = Vec::with_capacity(live.len());
@@ -601,6 +641,23 @@ impl Llm {
             }
             live = still;
             stats.text_secs += text.elapsed().as_secs_f64();
+        }
+    }
+
+    /// A request whose prompt was read: decoding if its first token goes on, answered if not.
+    fn started<'a, C>(
+        &self,
+        number: usize,
+        seq: Decoding<'a>,
+        cache: C,
+        step: Result<Step>,
+        live: &mut Vec<(usize, Decoding<'a>, C, u32)>,
+        done: &mut dyn FnMut(usize, Result<Generation>),
+    ) {
+        match step {
+            Ok(Step::Next(token)) => live.push((number, seq, cache, token)),
+            Ok(Step::Done(generation)) => done(number, Ok(generation)),
+            Err(e) => done(number, Err(e)),
         }
     }
 
@@ -699,8 +756,68 @@ trait BatchedPass {
     fn new_cache(&self, capacity: usize) -> Result<Self::Cache>;
     /// Runs `tokens` at the positions after those in `cache`; the logits of the last one.
     fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>>;
+    /// Reads several requests' prompts (each at most [`PREFILL_CHUNK`] tokens, into an empty
+    /// cache); the logits of each one's last token, in order. By default one after another:
+    /// on the CPU a prompt is already read at the products' full speed, and 64 prompts read
+    /// together were no faster (docs/benchmarks.md).
+    fn prefill_many(&self, prompts: &mut [(&[u32], &mut Self::Cache)]) -> Result<Vec<Vec<f32>>> {
+        prompts.iter_mut().map(|(tokens, cache)| self.prefill(tokens, cache)).collect()
+    }
     /// One token of each row at the position after its cache's; the logits of each.
-    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<Vec<Vec<f32>>>;
+    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<StepLogits>;
+}
+
+/// A step's logits, `rows x vocabulary`, where the forward pass left them.
+enum StepLogits {
+    Host(Vec<Vec<f32>>),
+    /// On the pass's device: greedy rows are picked there, so only their tokens come back.
+    Device(Tensor),
+}
+
+/// A row's next token, or the logits its sampler draws it from.
+enum Pick {
+    Token(u32),
+    Logits(Vec<f32>),
+}
+
+impl StepLogits {
+    /// Each row's argmax where `greedy[row]`, the logits of the others. Host argmax keeps
+    /// [`LogitsProcessor`]'s (the last of equal maxima); device argmax takes the first, which
+    /// differs only on exactly equal logits.
+    fn pick(self, greedy: &[bool]) -> Result<Vec<Pick>> {
+        let host = |logits: Vec<Vec<f32>>| -> Vec<Pick> {
+            logits
+                .into_iter()
+                .zip(greedy)
+                .map(|(row, &g)| match g {
+                    true => Pick::Token(row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32)),
+                    false => Pick::Logits(row),
+                })
+                .collect()
+        };
+        let logits = match self {
+            StepLogits::Host(logits) => return Ok(host(logits)),
+            StepLogits::Device(logits) => logits,
+        };
+        if !greedy.contains(&true) {
+            return Ok(host(logits.to_vec2()?));
+        }
+        let tokens: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+        let sampled: Vec<u32> = (0..greedy.len() as u32).filter(|&r| !greedy[r as usize]).collect();
+        let mut sampled_logits = match sampled.is_empty() {
+            true => Vec::new(),
+            false => logits.index_select(&Tensor::new(sampled.as_slice(), logits.device())?, 0)?.to_vec2()?,
+        }
+        .into_iter();
+        Ok(greedy
+            .iter()
+            .zip(tokens)
+            .map(|(&g, token)| match g {
+                true => Pick::Token(token),
+                false => Pick::Logits(sampled_logits.next().unwrap_or_default()),
+            })
+            .collect())
+    }
 }
 
 impl BatchedPass for Llama {
@@ -714,10 +831,10 @@ impl BatchedPass for Llama {
         self.forward(tokens, cache)
     }
 
-    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<Vec<Vec<f32>>> {
+    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<StepLogits> {
         let tokens: Vec<[u32; 1]> = rows.iter().map(|r| [r.0]).collect();
         let mut segments: Vec<Segment<'_>> = rows.iter_mut().zip(&tokens).map(|(r, t)| Segment { tokens: t, cache: &mut *r.1 }).collect();
-        self.forward_batch(&mut segments)
+        Ok(StepLogits::Host(self.forward_batch(&mut segments)?))
     }
 }
 
@@ -732,8 +849,12 @@ impl BatchedPass for BatchedLlama {
         BatchedLlama::prefill(self, tokens, cache)
     }
 
-    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<Vec<Vec<f32>>> {
-        BatchedLlama::step(self, rows)
+    fn prefill_many(&self, prompts: &mut [(&[u32], &mut Self::Cache)]) -> Result<Vec<Vec<f32>>> {
+        BatchedLlama::prefill_many(self, prompts)
+    }
+
+    fn step(&self, rows: &mut [(u32, &mut Self::Cache)]) -> Result<StepLogits> {
+        Ok(StepLogits::Device(BatchedLlama::step(self, rows)?))
     }
 }
 
@@ -758,12 +879,18 @@ const PARALLEL_SAMPLING_ROWS: usize = 8;
 /// depend on its neighbours). Sampling reads a row's whole vocabulary (49,152 logits for
 /// SmolLM2) on the host; from [`PARALLEL_SAMPLING_ROWS`] rows on, rows are sampled side by
 /// side on rayon's threads, so a GPU waits less for the host between steps.
-fn sample_rows(samplers: Vec<&mut LogitsProcessor>, logits: Vec<Vec<f32>>) -> Vec<Result<u32>> {
-    let sample = |(sampler, logits): (&mut LogitsProcessor, Vec<f32>)| -> Result<u32> { Ok(sampler.sample(&logits_tensor(logits)?)?) };
-    if samplers.len() < PARALLEL_SAMPLING_ROWS {
-        samplers.into_iter().zip(logits).map(sample).collect()
+fn sample_rows(samplers: Vec<&mut LogitsProcessor>, picks: Vec<Pick>) -> Vec<Result<u32>> {
+    let sample = |(sampler, pick): (&mut LogitsProcessor, Pick)| -> Result<u32> {
+        match pick {
+            Pick::Token(token) => Ok(token),
+            Pick::Logits(logits) => Ok(sampler.sample(&logits_tensor(logits)?)?),
+        }
+    };
+    let sampled = picks.iter().filter(|p| matches!(p, Pick::Logits(_))).count();
+    if sampled < PARALLEL_SAMPLING_ROWS {
+        samplers.into_iter().zip(picks).map(sample).collect()
     } else {
-        samplers.into_par_iter().zip(logits).map(sample).collect()
+        samplers.into_par_iter().zip(picks).map(sample).collect()
     }
 }
 
