@@ -70,8 +70,9 @@ struct Args {
     /// does by default.
     #[arg(long)]
     no_timestamps: bool,
-    /// Pick greedy tokens from logits copied to the host, as before device picks (the default
-    /// on a CPU); on a GPU they are picked on the device (`Whisper::set_device_picks`).
+    /// Pick tokens from logits copied to the host, as before device picks (the default on a
+    /// CPU); on a GPU greedy and beam-search picks are made on the device
+    /// (`Whisper::set_device_picks`).
     #[arg(long)]
     host_picks: bool,
     /// Embedding batch sizes to measure, comma-separated.
@@ -212,7 +213,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     }
     whisper.warmup(largest)?;
     println!(
-        "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording; beam size {}, padding {:?}, greedy picks on the {}",
+        "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording; beam size {}, padding {:?}, picks on the {}",
         args.whisper_model,
         started.elapsed().as_secs_f64(),
         whisper.weights_bytes() as f64 / 1e6,

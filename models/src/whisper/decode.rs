@@ -255,10 +255,11 @@ impl PickLimits {
     }
 }
 
-/// Greedy picks on the decoder's device: [`apply_rules`] as masks over the logits of all rows
-/// at once, then the argmax, so a step copies three numbers per row to the host (token,
-/// log-probability, no-speech log-probability) instead of 51,864 logits, and the host does not
-/// read them. The tokens are those of the host path; log-probabilities agree to rounding.
+/// Picks on the decoder's device: [`apply_rules`] as masks over the logits of all rows at
+/// once, then the argmax (greedy, [`DevicePicker::pick`]) or beam search's candidates
+/// ([`DevicePicker::top`]), so a step copies a few numbers per row to the host instead of
+/// 51,864 logits, and the host does not read them. The tokens are those of the host path;
+/// log-probabilities agree to rounding.
 pub(crate) struct DevicePicker {
     /// `(1, vocab)` F32: 1 where a token below the first timestamp may be sampled at all.
     low_ok: Tensor,
@@ -309,6 +310,50 @@ impl DevicePicker {
     /// `(token, log-probability after the rules, no-speech log-probability before them)` for
     /// each row of `logits` `(rows, vocab)`, under its limits.
     fn pick(&self, logits: &Tensor, limits: &[PickLimits]) -> Result<Vec<(u32, f32, f32)>> {
+        let (ruled, no_speech) = self.ruled(logits, limits)?;
+        let next = ruled.argmax_keepdim(1)?;
+        let logprob = (ruled.gather(&next, 1)? - log_sum_exp_rows(&ruled)?)?;
+        let out = Tensor::cat(&[next.to_dtype(DType::F32)?, logprob, no_speech], 1)?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<f32>()?;
+        Ok(out.into_iter().map(|r| (r[0] as u32, r[1], r[2])).collect())
+    }
+
+    /// Beam search's picks: each row's `k` likeliest tokens after the rules, likeliest first
+    /// (the first of equal ones first, as [`top_k`]), with their log-probabilities, and the
+    /// row's no-speech log-probability before the rules. `k` argmax passes over the rows, each
+    /// masking the token it took, so a step copies `2k + 1` numbers a row instead of 51,864.
+    /// Fewer than `k` where the rules allow fewer tokens.
+    fn top(&self, logits: &Tensor, limits: &[PickLimits], k: usize) -> Result<Vec<(Vec<(u32, f32)>, f32)>> {
+        let (ruled, no_speech) = self.ruled(logits, limits)?;
+        let lse = log_sum_exp_rows(&ruled)?;
+        let mut work = ruled;
+        let mut columns = Vec::with_capacity(2 * k + 1);
+        for i in 0..k {
+            let next = work.argmax_keepdim(1)?;
+            columns.push(next.to_dtype(DType::F32)?);
+            columns.push((work.gather(&next, 1)? - &lse)?);
+            if i + 1 < k {
+                let taken = self.ids.broadcast_eq(&next.to_dtype(DType::F32)?)?.to_dtype(DType::F32)?;
+                work = (work + taken.affine(MASKED, 0.0)?)?;
+            }
+        }
+        columns.push(no_speech);
+        let out = Tensor::cat(&columns, 1)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        // A masked token's log-probability is about MASKED: the rules ruled it out.
+        let allowed = (MASKED / 2.0) as f32;
+        Ok(out
+            .into_iter()
+            .map(|r| {
+                let top = r[..2 * k].chunks_exact(2).filter(|c| c[1] > allowed).map(|c| (c[0] as u32, c[1])).collect();
+                (top, r[2 * k])
+            })
+            .collect())
+    }
+
+    /// The rows' logits with every token the rules rule out at [`MASKED`], and each row's
+    /// no-speech log-probability before the rules, `(rows, 1)`.
+    fn ruled(&self, logits: &Tensor, limits: &[PickLimits]) -> Result<(Tensor, Tensor)> {
         let rows = limits.len();
         let l = logits.to_dtype(DType::F32)?.contiguous()?;
         let flat: Vec<f32> = limits
@@ -340,17 +385,12 @@ impl DevicePicker {
             .gt(&text_max)?
             .to_dtype(DType::F32)?
             .affine(-1.0, 1.0)?;
-        let final_logits = masked(&(ts + low.broadcast_mul(&text_left)?)?)?;
-        let next = final_logits.argmax_keepdim(1)?;
-        let logprob = (final_logits.gather(&next, 1)? - log_sum_exp_rows(&final_logits)?)?;
+        let ruled = masked(&(ts + low.broadcast_mul(&text_left)?)?)?;
         let no_speech = match self.no_speech {
             Some(t) => (l.narrow(1, t, 1)? - log_sum_exp_rows(&l)?)?,
             None => Tensor::zeros((rows, 1), DType::F32, l.device())?,
         };
-        let out = Tensor::cat(&[next.to_dtype(DType::F32)?, logprob, no_speech], 1)?
-            .to_device(&Device::Cpu)?
-            .to_vec2::<f32>()?;
-        Ok(out.into_iter().map(|r| (r[0] as u32, r[1], r[2])).collect())
+        Ok((ruled, no_speech))
     }
 }
 
@@ -370,6 +410,23 @@ enum Scores {
         logprob: f32,
         no_speech: f32,
     },
+    /// Each beam's likeliest tokens after the rules, with their log-probabilities, picked by
+    /// [`DevicePicker::top`]; the first beam's no-speech log-probability.
+    Top {
+        beams: Vec<Vec<(u32, f32)>>,
+        no_speech: f32,
+    },
+}
+
+/// Where a row's next tokens are picked.
+#[derive(Clone, Copy)]
+enum Route {
+    /// On the host, from its beams' logits.
+    Host,
+    /// Greedily on the device ([`DevicePicker::pick`]).
+    Picked,
+    /// Beam search's candidates on the device ([`DevicePicker::top`]).
+    Top,
 }
 
 /// A window to decode: its cross-attention keys/values (one row), prompt and options.
@@ -447,6 +504,11 @@ impl Row {
         self.temperature <= 0.0 && self.width() == 1
     }
 
+    /// Whether it decodes by beam search, whose candidates [`DevicePicker::top`] can pick.
+    fn beam_search(&self) -> bool {
+        self.temperature <= 0.0 && self.width() > 1
+    }
+
     /// Whether the token just fed was the SOT, where OpenAI reads the no-speech probability.
     fn just_fed_sot(&self, sp: &Specials) -> bool {
         sp.no_speech.is_some() && self.fed > 0 && self.window.prompt.iter().position(|&t| t == sp.sot) == Some(self.fed - 1)
@@ -487,7 +549,7 @@ impl Row {
         if let (Some(ns), true) = (sp.no_speech, self.just_fed_sot(sp)) {
             let logprob = match &scores {
                 Scores::Logits(logits) => logits.first().map(|first| first[ns as usize] - log_sum_exp(first)),
-                Scores::Picked { no_speech, .. } => Some(*no_speech),
+                Scores::Picked { no_speech, .. } | Scores::Top { no_speech, .. } => Some(*no_speech),
             };
             if let Some(l) = logprob {
                 self.no_speech_prob = f64::from(l).exp();
@@ -502,6 +564,11 @@ impl Row {
         let mut candidates: Vec<(f64, usize, u32)> = Vec::new();
         match scores {
             Scores::Picked { token, logprob, .. } => candidates.push((self.beams[0].sum_logprob + f64::from(logprob), 0, token)),
+            Scores::Top { beams, .. } => {
+                for (j, (beam, top)) in self.beams.iter().zip(beams).enumerate() {
+                    candidates.extend(top.into_iter().take(2 * width).map(|(t, l)| (beam.sum_logprob + f64::from(l), j, t)));
+                }
+            }
             Scores::Logits(mut logits) => {
                 for (j, (beam, logits)) in self.beams.iter().zip(logits.iter_mut()).enumerate() {
                     apply_rules(logits, &beam.tokens[begin..], sp, self.window.timestamps);
@@ -582,7 +649,8 @@ pub(crate) struct WindowBatch<'a> {
     cross: Option<CrossKv>,
     /// Windows waiting for a row: new ones and fallbacks at the next temperature.
     waiting: std::collections::VecDeque<Row>,
-    /// Picks greedy rows' tokens on the device; `None`: every row's logits go to the host.
+    /// Picks greedy and beam-search rows' tokens on the device; `None`: every row's logits go
+    /// to the host.
     picker: Option<&'a DevicePicker>,
     stats: DecodeStats,
 }
@@ -596,7 +664,8 @@ pub struct DecodeStats {
     pub seated: usize,
     /// Of those, windows that joined while other rows were decoding.
     pub joined_running: usize,
-    /// Tokens picked on the device ([`DevicePicker`]) rather than from host logits.
+    /// Rows (hypotheses) whose next tokens were picked on the device ([`DevicePicker`]) rather
+    /// than from host logits, over all steps.
     pub picked_on_device: usize,
 }
 
@@ -760,29 +829,42 @@ impl<'a> WindowBatch<'a> {
         let hidden = self.decoder.step(&tokens, self.cross.as_ref().expect("rows have keys"), &mut self.kv)?;
         self.stats.steps += 1;
         // Logits only for rows that read them: at the SOT (no-speech probability) or at the
-        // end of what they were fed (the next token); greedy rows' picks made on the device
+        // end of what they were fed (the next token); greedy and beam rows picked on the device
         // where it can.
-        let (mut on_host, mut on_device): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
-        let mut limits = Vec::new();
+        let (mut on_host, mut on_device, mut on_device_beams): (Vec<u32>, Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut limits, mut beam_limits) = (Vec::new(), Vec::new());
+        let mut top_k = 0;
         let vocab = self.picker.map_or(0, DevicePicker::vocab);
         let mut at = 0;
-        let routes: Vec<Option<bool>> = self
+        let routes: Vec<Option<Route>> = self
             .rows
             .iter_mut()
             .zip(&held)
             .map(|(r, &n)| {
                 r.fed += 1;
                 let want = !r.finished && (r.just_fed_sot(sp) || r.fed == r.beams[0].tokens.len());
-                let device = self.picker.is_some() && r.greedy() && n == 1;
-                if want && device {
-                    on_device.push(at as u32);
-                    let sampled = r.beams[0].tokens.get(r.window.prompt.len()..).unwrap_or_default();
-                    limits.push(PickLimits::of(sampled, sp, r.window.timestamps, vocab));
-                } else if want {
-                    on_host.extend((at..at + n).map(|k| k as u32));
+                let limits_of = |b: &Beam| PickLimits::of(b.tokens.get(r.window.prompt.len()..).unwrap_or_default(), sp, r.window.timestamps, vocab);
+                let route = match self.picker {
+                    Some(_) if r.greedy() && n == 1 => Route::Picked,
+                    Some(_) if r.beam_search() => Route::Top,
+                    _ => Route::Host,
+                };
+                if want {
+                    match route {
+                        Route::Picked => {
+                            on_device.push(at as u32);
+                            limits.push(limits_of(&r.beams[0]));
+                        }
+                        Route::Top => {
+                            on_device_beams.extend((at..at + n).map(|k| k as u32));
+                            beam_limits.extend(r.beams.iter().map(limits_of));
+                            top_k = top_k.max(2 * r.width());
+                        }
+                        Route::Host => on_host.extend((at..at + n).map(|k| k as u32)),
+                    }
                 }
                 at += n;
-                want.then_some(device)
+                want.then_some(route)
             })
             .collect();
         let select = |rows: Vec<u32>| -> Result<Tensor> {
@@ -794,8 +876,13 @@ impl<'a> WindowBatch<'a> {
             Some(picker) if !on_device.is_empty() => picker.pick(&self.decoder.logits_on_device(&select(on_device)?, 0)?, &limits)?,
             _ => Vec::new(),
         };
-        self.stats.picked_on_device += picks.len();
+        let tops = match self.picker {
+            Some(picker) if !on_device_beams.is_empty() => picker.top(&self.decoder.logits_on_device(&select(on_device_beams)?, 0)?, &beam_limits, top_k)?,
+            _ => Vec::new(),
+        };
+        self.stats.picked_on_device += picks.len() + tops.len();
         let mut picks = picks.into_iter();
+        let mut tops = tops.into_iter();
         let max_ctx = self.decoder.max_positions();
         let picked: Vec<(&mut Row, Scores)> = self
             .rows
@@ -804,11 +891,22 @@ impl<'a> WindowBatch<'a> {
             .zip(&held)
             .filter_map(|((r, route), &n)| {
                 let scores = match route? {
-                    true => {
+                    Route::Picked => {
                         let (token, logprob, no_speech) = picks.next().expect("a pick per device row");
                         Scores::Picked { token, logprob, no_speech }
                     }
-                    false => Scores::Logits(host_logits.by_ref().take(n).collect()),
+                    Route::Top => {
+                        let mut beams = Vec::with_capacity(n);
+                        let mut no_speech = 0.0;
+                        for (k, (top, ns)) in tops.by_ref().take(n).enumerate() {
+                            if k == 0 {
+                                no_speech = ns;
+                            }
+                            beams.push(top);
+                        }
+                        Scores::Top { beams, no_speech }
+                    }
+                    Route::Host => Scores::Logits(host_logits.by_ref().take(n).collect()),
                 };
                 Some((r, scores))
             })
@@ -867,8 +965,8 @@ mod tests {
     /// Random logits over a small vocabulary, where every rule binds often: the device's masks
     /// pick the token the host's rules pick, with its log-probability, after every kind of
     /// history (none, text, one or two timestamps), with and without timestamps.
-    #[test]
-    fn device_picks_apply_the_host_rules() {
+    /// Specials of a 200-token vocabulary, laid out as Whisper's (timestamps last).
+    fn small_vocabulary() -> (Specials, usize) {
         let sp = Specials {
             sot: 101,
             eot: 100,
@@ -881,12 +979,15 @@ mod tests {
             suppress: vec![1, 5, 102, 104],
             suppress_begin: vec![50, 100],
         };
-        let vocab = 200;
-        let picker = DevicePicker::new(&sp, vocab, &Device::Cpu).unwrap();
+        (sp, 200)
+    }
+
+    /// 2,000 rows of peaked random logits (so that timestamps sometimes outweigh the text
+    /// together), each with a random history of up to 6 tokens and timestamps on in 4 of 5.
+    fn random_rows(vocab: usize) -> Vec<(Vec<f32>, Vec<u32>, bool)> {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let mut rows: Vec<(Vec<f32>, Vec<u32>, bool)> = Vec::new();
         for i in 0..2000 {
-            // Peaked logits, so that timestamps sometimes outweigh the text together.
             let logits: Vec<f32> = (0..vocab)
                 .map(|_| (rng.next_f64() * 8.0 - 4.0).powi(3) as f32 / 8.0)
                 .collect();
@@ -902,6 +1003,43 @@ mod tests {
                 .collect();
             rows.push((logits, sampled, i % 5 != 0));
         }
+        rows
+    }
+
+    /// Beam search's candidates picked on the device are the host's: the same tokens in the
+    /// same order, log-probabilities to rounding, fewer where the rules allow fewer.
+    #[test]
+    fn device_top_candidates_are_the_hosts() {
+        let (sp, vocab) = small_vocabulary();
+        let picker = DevicePicker::new(&sp, vocab, &Device::Cpu).unwrap();
+        let rows = random_rows(vocab);
+        let limits: Vec<PickLimits> = rows.iter().map(|(_, s, ts)| PickLimits::of(s, &sp, *ts, vocab as u32)).collect();
+        let flat: Vec<f32> = rows.iter().flat_map(|r| r.0.iter().copied()).collect();
+        let k = 10;
+        let tops = picker.top(&Tensor::from_vec(flat, (rows.len(), vocab), &Device::Cpu).unwrap(), &limits, k).unwrap();
+        let mut fewer = 0;
+        for ((logits, sampled, timestamps), (top, no_speech)) in rows.iter().zip(tops) {
+            let mut l = logits.clone();
+            apply_rules(&mut l, sampled, &sp, *timestamps);
+            let lse = log_sum_exp(&l);
+            let want = top_k(&l, k);
+            let tokens = |t: &[(u32, f32)]| t.iter().map(|c| c.0).collect::<Vec<_>>();
+            assert_eq!(tokens(&top), tokens(&want), "history {sampled:?}, timestamps {timestamps}");
+            for (&(_, got), &(_, logit)) in top.iter().zip(&want) {
+                assert!((got - (logit - lse)).abs() < 1e-4, "{got} against {}", logit - lse);
+            }
+            assert!((no_speech - (logits[105] - log_sum_exp(logits))).abs() < 1e-4);
+            fewer += usize::from(want.len() < k);
+        }
+        // Some rows' rules allow fewer tokens than asked for.
+        assert!(fewer > 10, "{fewer}");
+    }
+
+    #[test]
+    fn device_picks_apply_the_host_rules() {
+        let (sp, vocab) = small_vocabulary();
+        let picker = DevicePicker::new(&sp, vocab, &Device::Cpu).unwrap();
+        let rows = random_rows(vocab);
         let limits: Vec<PickLimits> = rows
             .iter()
             .map(|(_, s, ts)| PickLimits::of(s, &sp, *ts, vocab as u32))

@@ -209,7 +209,7 @@ pub struct Whisper {
     weights_bytes: u64,
     /// What the last [`Whisper::transcribe_many`] call's decoding did.
     last_decode: DecodeStats,
-    /// Picks greedy tokens on the device; see [`Whisper::set_device_picks`].
+    /// Picks tokens on the device; see [`Whisper::set_device_picks`].
     picker: Option<decode::DevicePicker>,
 }
 
@@ -577,11 +577,12 @@ impl Whisper {
         Ok(whisper)
     }
 
-    /// Picks greedy tokens on the model's device, the token rules applied as masks and three
-    /// numbers a row copied back, instead of copying every row's 51,864 logits to the host and
-    /// reading them there. Default: on for a GPU, where that copy and read left the device idle
-    /// for most of a step; off on the CPU, where the host path is faster. Both pick the same
-    /// tokens; log-probabilities agree to rounding. Beam search and sampling stay on the host.
+    /// Picks tokens on the model's device, the token rules applied as masks: greedy rows copy
+    /// three numbers back, beam search's rows their `2 x beam_size` candidates, instead of
+    /// every row's 51,864 logits copied to the host and read there. Default: on for a GPU,
+    /// where that copy and read left the device idle for most of a step; off on the CPU, where
+    /// the host path is faster. Both pick the same tokens; log-probabilities agree to rounding.
+    /// Sampling (the temperature fallback) stays on the host.
     pub fn set_device_picks(&mut self, on: bool) -> Result<()> {
         self.picker = if on { Some(decode::DevicePicker::new(&self.specials, self.config.vocab_size, &self.device)?) } else { None };
         Ok(())
