@@ -428,7 +428,7 @@ fn half_precision_transcribes_like_f32() {
     } else {
         assert_eq!(auto_bytes, f32_bytes, "auto is F32 on a CPU without AVX-512 BF16");
     }
-    whisper.warmup(2).expect("warmup in F16");
+    whisper.warmup(2, 1).expect("warmup in F16");
     // With word timestamps: the alignment pass reads F16 encoder output, as on a GPU.
     let opts = TranscribeOptions { word_timestamps: true, ..Default::default() };
     let tr = whisper.transcribe(&pcm, &opts, &mut |_, _| {}).unwrap();

@@ -318,6 +318,7 @@ async fn run() -> anyhow::Result<()> {
                     windows: cli.transcribe_batch_windows.map(|n| n.max(1)),
                     embed_tokens: cli.embed_batch_tokens.map(|n| n.max(1)),
                     generate_tokens: cli.generate_batch_tokens.max(1),
+                    whisper_beams: cli.whisper_beam_size as usize,
                 },
                 engine::memory::MemoryProbe::for_device(&cli.device),
             ))

@@ -211,7 +211,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     if args.host_picks {
         whisper.set_device_picks(false)?;
     }
-    whisper.warmup(largest)?;
+    whisper.warmup(largest, args.beam_size)?;
     println!(
         "{}: loaded and warmed up at {largest} windows in {:.2} s ({:.0} MB of weights); {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording; beam size {}, padding {:?}, picks on the {}",
         args.whisper_model,

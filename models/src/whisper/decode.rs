@@ -351,6 +351,17 @@ impl DevicePicker {
             .collect())
     }
 
+    /// The picks of a first step of `beams` hypotheses a row over `logits` (greedy for one), as
+    /// a batch makes them, for a warmup to measure their memory; whether their
+    /// log-probabilities came out finite.
+    pub fn warm(&self, logits: &Tensor, sp: &Specials, beams: usize) -> Result<bool> {
+        let limits = vec![PickLimits::of(&[], sp, true, self.vocab()); logits.dim(0)?];
+        Ok(match beams {
+            0 | 1 => self.pick(logits, &limits)?.iter().all(|p| p.1.is_finite() && p.2.is_finite()),
+            _ => self.top(logits, &limits, 2 * beams)?.iter().all(|(top, ns)| ns.is_finite() && !top.is_empty() && top.iter().all(|c| c.1.is_finite())),
+        })
+    }
+
     /// The rows' logits with every token the rules rule out at [`MASKED`], and each row's
     /// no-speech log-probability before the rules, `(rows, 1)`.
     fn ruled(&self, logits: &Tensor, limits: &[PickLimits]) -> Result<(Tensor, Tensor)> {
@@ -1033,6 +1044,22 @@ mod tests {
         }
         // Some rows' rules allow fewer tokens than asked for.
         assert!(fewer > 10, "{fewer}");
+    }
+
+    /// The warmup's picks run for greedy and beam rows, and tell non-finite logits.
+    #[test]
+    fn warm_picks_tell_non_finite_logits() {
+        let (sp, vocab) = small_vocabulary();
+        let picker = DevicePicker::new(&sp, vocab, &Device::Cpu).unwrap();
+        let mut flat: Vec<f32> = random_rows(vocab).into_iter().take(6).flat_map(|r| r.0).collect();
+        let logits = |flat: &[f32]| Tensor::from_slice(flat, (6, vocab), &Device::Cpu).unwrap();
+        for beams in [1, 5] {
+            assert!(picker.warm(&logits(&flat), &sp, beams).unwrap(), "beams {beams}");
+        }
+        flat[3 * vocab + 120] = f32::NAN;
+        for beams in [1, 5] {
+            assert!(!picker.warm(&logits(&flat), &sp, beams).unwrap(), "beams {beams}, a NaN");
+        }
     }
 
     #[test]

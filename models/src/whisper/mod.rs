@@ -599,22 +599,32 @@ impl Whisper {
         self.weights_bytes
     }
 
-    /// Runs `windows` windows of silence through the encoder and one decoder step, the memory
-    /// a batch of that size needs at its peak. A model that fails here is not fit to serve.
-    pub fn warmup(&mut self, windows: usize) -> Result<()> {
+    /// Runs `windows` windows of silence through the encoder and one decoder step of
+    /// `beam_size` hypotheses each (each a decoder row with its own copy of its window's
+    /// cross-attention keys, as in a beam search), picking as a batch picks: the memory a batch
+    /// of that size needs at its peak. A model that fails here is not fit to serve.
+    pub fn warmup(&mut self, windows: usize, beam_size: usize) -> Result<()> {
+        let (windows, beams) = (windows.max(1), beam_size.max(1));
         let silence = vec![0f32; m::N_SAMPLES];
         let mel = mel::window_mel(&self.config, &self.filters, &silence, (0, silence.len()), m::N_FRAMES, &self.device)?;
-        let mels = candle_core::Tensor::cat(&vec![mel; windows.max(1)], 0)?;
+        let mels = candle_core::Tensor::cat(&vec![mel; windows], 0)?;
         let features = self.encoder.forward(&mels, None)?;
         drop(mels);
         let cross = self.decoder.cross_kv(&features, None)?;
         drop(features);
-        let sot = vec![self.specials.sot; windows.max(1)];
-        let input = candle_core::Tensor::from_vec(sot, (windows.max(1), 1), &self.device)?;
+        let cross = match beams {
+            1 => cross,
+            _ => cross.select(&(0..windows).flat_map(|w| std::iter::repeat_n(w, beams)).collect::<Vec<_>>())?,
+        };
+        let rows = windows * beams;
+        let input = candle_core::Tensor::from_vec(vec![self.specials.sot; rows], (rows, 1), &self.device)?;
         let mut cache = self.decoder.new_cache();
         let ys = self.decoder.forward(&input, &cross, &mut cache)?;
-        let logits = self.decoder.logits_vecs(&ys, 0)?;
-        if logits.iter().flatten().any(|x| !x.is_finite()) {
+        let finite = match &self.picker {
+            Some(picker) => picker.warm(&self.decoder.logits_on_device(&ys, 0)?, &self.specials, beams)?,
+            None => self.decoder.logits_vecs(&ys, 0)?.iter().flatten().all(|x| x.is_finite()),
+        };
+        if !finite {
             bail!("warmup produced non-finite logits");
         }
         Ok(())

@@ -91,8 +91,9 @@ pub struct ModelCache {
 
 impl ModelCache {
     /// `dir`: the models directory (each model is a folder in it); `budget`: bytes;
-    /// `warmup_windows`: the largest Whisper batch, which each Whisper model runs on load;
-    /// `probe`: what measures the working memory of that warmup.
+    /// `warmup_windows`: the largest Whisper batch, which each Whisper model runs on load,
+    /// `warmup_beams` hypotheses a window; `probe`: what measures the working memory of that
+    /// warmup.
     pub fn new(
         dir: PathBuf,
         runtime: tokio::runtime::Handle,
@@ -100,11 +101,12 @@ impl ModelCache {
         precision: Precision,
         budget: u64,
         warmup_windows: usize,
+        warmup_beams: usize,
         probe: MemoryProbe,
         report: Arc<Mutex<CacheReport>>,
     ) -> ModelCache {
         report.lock().expect("not poisoned").budget_bytes = budget;
-        let source = Source { dir, runtime, device, precision, warmup_windows, probe };
+        let source = Source { dir, runtime, device, precision, warmup_windows, warmup_beams, probe };
         ModelCache { source, budget, entries: HashMap::new(), clock: 0, report }
     }
 
@@ -223,6 +225,8 @@ pub struct Source {
     precision: Precision,
     /// Windows of the Whisper warmup batch: the largest batch the worker runs.
     warmup_windows: usize,
+    /// Hypotheses a window decodes in that warmup: the worker's default beam size.
+    warmup_beams: usize,
     /// Measures each warmup's working memory.
     probe: MemoryProbe,
 }
@@ -250,7 +254,7 @@ impl Source {
     pub fn load(&self, family: Family, name: &str, dir: &Path) -> Result<Loaded, EngineError> {
         let started = Instant::now();
         let loaded = load(family, dir, &self.device, self.precision).and_then(|mut model| {
-            let unit_bytes = warmup(&mut model, self.warmup_windows, &self.probe).map_err(|e| e.context("warmup failed"))?;
+            let unit_bytes = warmup(&mut model, self.warmup_windows, self.warmup_beams, &self.probe).map_err(|e| e.context("warmup failed"))?;
             Ok((model, unit_bytes))
         });
         let (model, unit_bytes) = loaded.map_err(|e| {
@@ -308,11 +312,11 @@ const LLM_WARMUP_TOKENS: usize = 8;
 /// on 2 AVX-512 cores), so a model that cannot hold it is refused at load, and its working
 /// memory is already mapped (and kept, see `tern_models::allocator`) when the first real batch
 /// comes.
-fn warmup(model: &mut Model, windows: usize, probe: &MemoryProbe) -> anyhow::Result<u64> {
+fn warmup(model: &mut Model, windows: usize, beams: usize, probe: &MemoryProbe) -> anyhow::Result<u64> {
     probe.measure(&mut || {
         Ok(match model {
             Model::Whisper(m) => {
-                m.warmup(windows)?;
+                m.warmup(windows, beams)?;
                 windows as u64
             }
             Model::Embedder(m) => {

@@ -77,6 +77,10 @@ pub struct BatchLimits {
     /// while they fit); they decode together, one pass through the weights per step for all of
     /// them, on the CPU and on a GPU. Default 4096.
     pub generate_tokens: usize,
+    /// Hypotheses a window decodes at the worker's default beam size
+    /// (`TERN_WHISPER_BEAM_SIZE`, default 5): the Whisper warmup decodes that many rows a
+    /// window, so the memory measured per window, and the budget from it, holds a beam search.
+    pub whisper_beams: usize,
 }
 
 /// Why a request could not run.
@@ -268,6 +272,7 @@ impl Engine {
             precision,
             budget,
             warmup_windows,
+            limits.whisper_beams,
             probe.clone(),
             report.clone(),
         );
@@ -823,7 +828,7 @@ mod tests {
     async fn a_swap_applies_while_a_closed_loop_keeps_a_transcription_batch_running() {
         let dir = models_dir();
         let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into() };
-        let limits = BatchLimits { windows: Some(4), embed_tokens: None, generate_tokens: 4096 };
+        let limits = BatchLimits { windows: Some(4), embed_tokens: None, generate_tokens: 4096, whisper_beams: 1 };
         let engine = Arc::new(Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, MemoryProbe::Host));
         let clip = std::fs::read(dir.join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")).expect("test speech: run scripts/models.sh");
         let pcm = tern_models::audio::decode_mono_16k(&clip).unwrap();
@@ -884,7 +889,7 @@ mod tests {
     async fn a_batch_that_runs_out_of_memory_is_split_and_no_job_fails() {
         let dir = models_dir();
         let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into() };
-        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096 };
+        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, whisper_beams: 1 };
         // The warmup measures 100 MiB per window; 4 GiB are free until the test says otherwise.
         let (probe, figures) = MemoryProbe::fixed(4 << 30, 100 << 20);
         let engine = Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names.clone(), 8 << 30, limits.clone(), probe);
