@@ -224,16 +224,7 @@ impl BatchedLlama {
         let cos = self.cos.narrow(0, start, t)?;
         let sin = self.sin.narrow(0, start, t)?;
         let groups = self.cfg.heads / self.cfg.kv_heads;
-        // Token i sees the cache and the new tokens up to itself; a group's heads share keys, so
-        // the mask's rows are the group's heads' tokens in turn.
-        let mask = (t > 1)
-            .then(|| {
-                let mask: Vec<f32> = (0..groups * t)
-                    .flat_map(|row| (0..start + t).map(move |j| if j > start + row % t { f32::NEG_INFINITY } else { 0.0 }))
-                    .collect();
-                Tensor::from_vec(mask, (groups * t, start + t), &self.device)
-            })
-            .transpose()?;
+        let mask = self.causal_mask(start, t)?;
         let caches = self.lock_caches();
         let attend = |l: usize, q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
             let (ck, cv) = &caches.layers[l];
@@ -284,16 +275,8 @@ impl BatchedLlama {
         let sin = self.sin.narrow(0, 0, t)?;
         let Config { heads, kv_heads, head_dim, .. } = self.cfg;
         let groups = heads / kv_heads;
-        // Causal over the new tokens alone (nothing is cached): a group's heads share keys, so
-        // the mask's rows are the group's heads' tokens in turn, as in `prefill`.
-        let mask = (t > 1)
-            .then(|| {
-                let mask: Vec<f32> = (0..groups * t)
-                    .flat_map(|row| (0..t).map(move |j| if j > row % t { f32::NEG_INFINITY } else { 0.0 }))
-                    .collect();
-                Tensor::from_vec(mask, (groups * t, t), &self.device)
-            })
-            .transpose()?;
+        // Causal over the new tokens alone: nothing is cached.
+        let mask = self.causal_mask(0, t)?;
         let slots: Vec<usize> = prompts.iter().map(|(_, cache)| cache.slot).collect();
         let caches = self.lock_caches();
         let attend = |l: usize, q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
@@ -378,6 +361,21 @@ impl BatchedLlama {
             row.1.len += 1;
         }
         Ok(logits)
+    }
+
+    /// The attention mask of `t` new tokens after `start` cached ones, `(groups x t, start +
+    /// t)`: token i sees the cache and the new tokens up to itself. A group's heads share keys,
+    /// so the rows are the group's heads' tokens in turn. `None` for one token, which sees all.
+    fn causal_mask(&self, start: usize, t: usize) -> candle_core::Result<Option<Tensor>> {
+        let groups = self.cfg.heads / self.cfg.kv_heads;
+        (t > 1)
+            .then(|| {
+                let mask: Vec<f32> = (0..groups * t)
+                    .flat_map(|row| (0..start + t).map(move |j| if j > start + row % t { f32::NEG_INFINITY } else { 0.0 }))
+                    .collect();
+                Tensor::from_vec(mask, (groups * t, start + t), &self.device)
+            })
+            .transpose()
     }
 
     fn scale(&self) -> f64 {

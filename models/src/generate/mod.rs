@@ -617,7 +617,7 @@ impl Llm {
             stats.rows += live.len();
             stats.forward_secs += forward.elapsed().as_secs_f64();
             let sampling = Instant::now();
-            let greedy: Vec<bool> = live.iter().map(|l| l.1.opts.temperature <= 0.0).collect();
+            let greedy: Vec<bool> = live.iter().map(|l| matches!(l.1.opts.sampling(), Sampling::ArgMax)).collect();
             let picks = match logits.and_then(|logits| logits.pick(&greedy)) {
                 Ok(picks) => picks,
                 Err(e) => {
@@ -781,26 +781,16 @@ enum Pick {
 }
 
 impl StepLogits {
-    /// Each row's argmax where `greedy[row]`, the logits of the others. Host argmax keeps
-    /// [`LogitsProcessor`]'s (the last of equal maxima); device argmax takes the first, which
-    /// differs only on exactly equal logits.
+    /// On the device, each row's argmax where `greedy[row]` (the first of equal maxima, where
+    /// [`LogitsProcessor`] takes the last: they differ only on exactly equal logits) and the
+    /// logits of the others; on the host, every row's logits, for its sampler.
     fn pick(self, greedy: &[bool]) -> Result<Vec<Pick>> {
-        let host = |logits: Vec<Vec<f32>>| -> Vec<Pick> {
-            logits
-                .into_iter()
-                .zip(greedy)
-                .map(|(row, &g)| match g {
-                    true => Pick::Token(row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32)),
-                    false => Pick::Logits(row),
-                })
-                .collect()
-        };
         let logits = match self {
-            StepLogits::Host(logits) => return Ok(host(logits)),
+            StepLogits::Host(logits) => return Ok(logits.into_iter().map(Pick::Logits).collect()),
             StepLogits::Device(logits) => logits,
         };
         if !greedy.contains(&true) {
-            return Ok(host(logits.to_vec2()?));
+            return Ok(logits.to_vec2()?.into_iter().map(Pick::Logits).collect());
         }
         let tokens: Vec<u32> = logits.argmax(1)?.to_vec1()?;
         let sampled: Vec<u32> = (0..greedy.len() as u32).filter(|&r| !greedy[r as usize]).collect();
