@@ -1,6 +1,7 @@
 //! candle ops that run [`crate::cpu_kernels`] over a tensor on both cores: GELU, in the tanh
 //! approximation (Whisper) or exact (BERT), and BERT's fused bias + GELU and residual + layer
-//! norm. On other devices or dtypes, candle's own ops.
+//! norm; and a softmax that sums in f32 on the CPU whatever the dtype. On other devices or
+//! dtypes, candle's own ops.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -80,6 +81,20 @@ pub fn gelu(x: &Tensor, kind: Gelu) -> Result<Tensor> {
         Gelu::Tanh => x.gelu(),
         Gelu::Erf => x.gelu_erf(),
     }
+}
+
+/// Softmax over the last dimension, its sums in f32 everywhere.
+///
+/// candle's CPU softmax sums a row in the row's own dtype, one element after another. In BF16
+/// (8 bits of mantissa) a sum stops growing once it is 256 times the terms it adds: over 1,500
+/// frames of attention the weights then sum to several times 1, and Whisper in BF16 on the CPU
+/// repeated one word to the end of every window. F16 and BF16 rows on the CPU are therefore
+/// widened to f32 for the softmax and narrowed back; GPU kernels already sum in f32.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F16 | DType::BF16) {
+        return candle_nn::ops::softmax_last_dim(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype());
+    }
+    candle_nn::ops::softmax_last_dim(x)
 }
 
 /// Rows per parallel task for row-wise ops over rows of `n` values.
@@ -203,5 +218,28 @@ mod tests {
         // A transposed (non-contiguous) input gives the same rows.
         let yt = y.t().unwrap().contiguous().unwrap().t().unwrap();
         assert!(max_difference(&add_layer_norm(&yt, &residual, &params, 1e-12).unwrap(), &fused) == 0.0);
+    }
+
+    /// Rows as long as Whisper's 1,500 frames, in half precision, weigh as the f32 softmax
+    /// weighs them: each weight within its dtype's rounding, each row summing to 1.
+    #[test]
+    fn half_precision_softmax_sums_to_one_over_long_rows() {
+        let (rows, n) = (4, 1500);
+        let x = Tensor::from_vec(values(rows * n, 7), (rows, n), &Device::Cpu).unwrap();
+        let want = candle_nn::ops::softmax_last_dim(&x).unwrap();
+        for (dtype, tolerance) in [(DType::BF16, 1.0 / 128.0), (DType::F16, 1.0 / 1024.0)] {
+            let got = softmax_last_dim(&x.to_dtype(dtype).unwrap()).unwrap();
+            assert_eq!(got.dtype(), dtype);
+            let got = got.to_dtype(DType::F32).unwrap();
+            for (g, w) in got.to_vec2::<f32>().unwrap().iter().zip(want.to_vec2::<f32>().unwrap()) {
+                let sum: f32 = g.iter().sum();
+                assert!((sum - 1.0).abs() < 0.01, "{dtype:?} row sums to {sum}");
+                for (g, w) in g.iter().zip(&w) {
+                    // The input's own rounding to the dtype moves a weight by up to its ulp too;
+                    // F16's smallest weights are subnormal, with steps of 6e-8.
+                    assert!((g - w).abs() <= 3.0 * tolerance * w + 1e-7, "{dtype:?}: {g} for {w}");
+                }
+            }
+        }
     }
 }

@@ -20,6 +20,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 use candle_transformers::quantized_nn::RmsNorm;
+use tern_kernels::cpu_ops::softmax_last_dim;
 
 use super::llama::Config;
 use super::WeightLayout;
@@ -238,7 +239,7 @@ impl BatchedLlama {
                 Some(mask) => scores.broadcast_add(mask)?,
                 None => scores,
             };
-            let y = candle_nn::ops::softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, start + t)?)?;
+            let y = softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, start + t)?)?;
             y.reshape((1, heads, t, head_dim))?.transpose(1, 2)?.reshape((1, t, heads * head_dim))
         };
         let logits = self.forward(&ids, &cos, &sin, None, attend)?;
@@ -291,7 +292,7 @@ impl BatchedLlama {
                 Some(mask) => scores.broadcast_add(mask)?,
                 None => scores,
             };
-            let y = candle_nn::ops::softmax_last_dim(&scores)?.matmul(v)?;
+            let y = softmax_last_dim(&scores)?.matmul(v)?;
             y.reshape((n, heads, t, head_dim))?.transpose(1, 2)?.reshape((n, t, heads * head_dim))
         };
         let logits = self.forward(&ids, &cos, &sin, Some(&last), attend)?;
@@ -351,7 +352,7 @@ impl BatchedLlama {
             cv.scatter_set(&write_at, &to_slots(v)?, 2)?;
             let q = to_slots(q)?.reshape((slots, kv_heads, groups, head_dim))?;
             let scores = (q.matmul(&ck.narrow(2, 0, span)?.t()?)? * self.scale())?.broadcast_add(&mask)?;
-            let y = candle_nn::ops::softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, span)?)?.reshape((slots, heads * head_dim))?;
+            let y = softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, span)?)?.reshape((slots, heads * head_dim))?;
             let y = if in_order { y } else { y.index_select(&back, 0)? };
             y.reshape((n, 1, heads * head_dim))
         };

@@ -18,6 +18,7 @@ use super::attention::{self, KeyLayout, PackedHead};
 use super::LAYER_NORM_EPS;
 use tern_kernels::bf16_gemm::Bf16Linear;
 use tern_kernels::cpu_kernels;
+use tern_kernels::cpu_ops::softmax_last_dim;
 use crate::linear::{linear, linear_no_bias, Linear};
 
 struct Attention {
@@ -518,7 +519,7 @@ impl Decoder {
                     if let Some(mask) = &mask {
                         qk = qk.broadcast_add(mask)?;
                     }
-                    candle_nn::ops::softmax_last_dim(&qk)?.matmul(&v)?
+                    softmax_last_dim(&qk)?.matmul(&v)?
                 }
             };
             let o = self.merge(&o)?;
@@ -665,7 +666,7 @@ impl Decoder {
                     if let Some(mask) = &cross.mask {
                         scores = scores.broadcast_add(mask)?;
                     }
-                    candle_nn::ops::softmax_last_dim(&scores)?.matmul(cv)?
+                    softmax_last_dim(&scores)?.matmul(cv)?
                 }
             },
             (None, None) => candle_core::bail!("no cross-attention keys for layer {i}"),

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::LAYER_NORM_EPS;
 use tern_kernels::bf16_gemm::{self, Bf16Linear};
-use tern_kernels::cpu_ops::{gelu, Gelu};
+use tern_kernels::cpu_ops::{gelu, softmax_last_dim, Gelu};
 use crate::linear::{linear, linear_no_bias, Linear};
 use tern_kernels::cpu_kernels;
 use tern_kernels::cpu_ops::OutPtr;
@@ -249,7 +249,7 @@ impl Encoder {
                 candle_core::bail!("this encoder takes windows of one length per batch");
             }
             let (q, k_t, v) = (heads(q.clone())?.contiguous()?, heads(k.clone())?.transpose(2, 3)?.contiguous()?, heads(v.clone())?.contiguous()?);
-            let w = candle_nn::ops::softmax_last_dim(&q.matmul(&k_t)?)?;
+            let w = softmax_last_dim(&q.matmul(&k_t)?)?;
             w.matmul(&v)?.transpose(1, 2)?.flatten_from(2)
         })
     }
