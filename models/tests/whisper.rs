@@ -602,6 +602,45 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// Recordings embedded in the same batch as recordings transcribed (their windows encoded in
+/// one group, only the transcribed ones given cross-attention) come out as each does alone:
+/// the same transcripts, embeddings within 1e-4. With `auto` (windows encoded end to end where
+/// the CPU has BF16 products) and F32 (windows padded to a group's longest).
+#[test]
+fn embedded_and_transcribed_recordings_in_one_batch_come_out_as_alone() {
+    use tern_models::precision::Precision;
+    let Some(dir) = models_dir() else { return };
+    let ids: Vec<String> = references(&dir).into_iter().map(|(id, _)| id).take(4).collect();
+    let pcms: Vec<Vec<f32>> = ids.iter().map(|id| clip_pcm(&dir, id)).collect();
+    let transcribe = TranscribeOptions::default();
+    let embed = TranscribeOptions { embed: true, ..Default::default() };
+    // Embedded and transcribed alternate, and clip 0 is also embedded beside its transcript.
+    let jobs: Vec<(usize, &TranscribeOptions)> = vec![(0, &transcribe), (1, &embed), (2, &transcribe), (3, &embed), (0, &embed)];
+    for precision in [Precision::Auto, Precision::F32] {
+        let mut whisper = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, precision).unwrap();
+        let run = |whisper: &mut Whisper, jobs: &[(usize, &TranscribeOptions)], batch: usize| {
+            let inputs: Vec<(&[f32], &TranscribeOptions)> = jobs.iter().map(|&(i, o)| (pcms[i].as_slice(), o)).collect();
+            whisper.transcribe_many(&inputs, batch, &|_| false, &mut |_, _| {}).into_iter().map(Result::unwrap).collect::<Vec<_>>()
+        };
+        let together = run(&mut whisper, &jobs, 8);
+        for (job, got) in jobs.iter().zip(&together) {
+            let alone = run(&mut whisper, std::slice::from_ref(job), 1).remove(0);
+            match (&alone.embedding, &got.embedding) {
+                (Some(a), Some(g)) => {
+                    assert!(got.text.is_empty());
+                    let worst = a.vector.iter().zip(&g.vector).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    assert!(worst <= 1e-4, "{precision} clip {}: embedded together differs by {worst}", job.0);
+                }
+                (None, None) => {
+                    assert!(!got.text.is_empty());
+                    assert_eq!(got.text, alone.text, "{precision} clip {}: transcribed together", job.0);
+                }
+                _ => panic!("{precision} clip {}: an embedding where a transcript was asked, or none where one was", job.0),
+            }
+        }
+    }
+}
+
 /// Audio embeddings: a recording resampled to 8 kHz (and back, as the service decodes it), or
 /// re-encoded as 8-bit PCM or 32 kbit/s MP3, stays nearer its original than any other test
 /// recording, and

@@ -7,6 +7,9 @@
 //!   recording of about `--long-seconds` built from them, at each window budget of
 //!   `--budgets`; audio seconds per second, word error rate against the references, and how
 //!   many clips transcribed differently from budget 1;
+//! - audio-embed: the same clips and recording as vectors (`TranscribeOptions::embed`, the
+//!   `audio_embed` kind) at each window budget, audio seconds per second, and the largest
+//!   difference from budget 1's vectors;
 //! - embed: texts of ~15 tokens at batch sizes `--embed-batches`, texts per second; the cosine
 //!   reference value of the facts file and the largest batched-against-single difference;
 //! - generate: prompt tokens per second (prefill) and generated tokens per second (decode).
@@ -43,8 +46,8 @@ struct Args {
     /// BF16; F16 on a GPU), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     precision: Precision,
-    /// Sections to run, comma-separated: transcribe, embed, generate.
-    #[arg(long, value_delimiter = ',', default_value = "transcribe,embed,generate")]
+    /// Sections to run, comma-separated: transcribe, audio-embed, embed, generate.
+    #[arg(long, value_delimiter = ',', default_value = "transcribe,audio-embed,embed,generate")]
     only: Vec<String>,
     /// Whisper model folder under the models directory.
     #[arg(long, default_value = "whisper-tiny.en")]
@@ -153,9 +156,10 @@ fn main() -> Result<()> {
     for section in &args.only {
         match section.as_str() {
             "transcribe" => transcribe(&args, &dir, &device)?,
+            "audio-embed" => audio_embed(&args, &dir, &device)?,
             "embed" => embed(&args, &dir, &device)?,
             "generate" => generate(&args, &dir, &device)?,
-            other => bail!("unknown section {other:?}; use transcribe, embed or generate"),
+            other => bail!("unknown section {other:?}; use transcribe, audio-embed, embed or generate"),
         }
     }
     Ok(())
@@ -188,11 +192,9 @@ fn librivox(dir: &Path) -> Result<Vec<Clip>> {
         .collect()
 }
 
-fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
-    let clips = librivox(&dir.join("testdata/librivox"))?;
-    anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
-    let short: Vec<&Clip> = clips.iter().cycle().take(args.clips).collect();
-    let short_seconds: f64 = short.iter().map(|c| c.pcm.len() as f64 / 16_000.0).sum();
+/// The LibriVox clips and one recording of about `--long-seconds` made of them in turn, with
+/// half a second of silence after each, and the recording's reference words.
+fn long_recording(args: &Args, clips: &[Clip]) -> (Vec<f32>, Vec<String>) {
     let mut long = Vec::new();
     let mut long_words = Vec::new();
     for clip in clips.iter().cycle() {
@@ -203,6 +205,15 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         long.extend(std::iter::repeat_n(0.0f32, 8_000));
         long_words.extend(words(&clip.text));
     }
+    (long, long_words)
+}
+
+fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
+    let clips = librivox(&dir.join("testdata/librivox"))?;
+    anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
+    let short: Vec<&Clip> = clips.iter().cycle().take(args.clips).collect();
+    let short_seconds: f64 = short.iter().map(|c| c.pcm.len() as f64 / 16_000.0).sum();
+    let (long, long_words) = long_recording(args, &clips);
     let long_seconds = long.len() as f64 / 16_000.0;
 
     let started = Instant::now();
@@ -271,6 +282,43 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
             args.beam_size,
             args.beam_size
         );
+    }
+    Ok(())
+}
+
+/// Recordings as vectors (`audio_embed`): the clips and the long recording at each window
+/// budget, audio seconds per second, and how far each budget's vectors lie from budget 1's.
+fn audio_embed(args: &Args, dir: &Path, device: &Device) -> Result<()> {
+    let clips = librivox(&dir.join("testdata/librivox"))?;
+    anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
+    let short: Vec<&Clip> = clips.iter().cycle().take(args.clips).collect();
+    let short_seconds: f64 = short.iter().map(|c| c.pcm.len() as f64 / 16_000.0).sum();
+    let (long, _) = long_recording(args, &clips);
+    let long_seconds = long.len() as f64 / 16_000.0;
+    let mut whisper = Whisper::load_ct2_in(&dir.join(&args.whisper_model), device, args.precision)?;
+    whisper.warmup(args.budgets.iter().copied().max().unwrap_or(1), 1)?;
+    let opts = TranscribeOptions { embed: true, padding: args.padding, ..TranscribeOptions::default() };
+    println!("{} audio-embed: {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording, padding {:?}", args.whisper_model, short.len(), args.padding);
+    println!("{:>8} {:>16} {:>16} {:>16}", "budget", "clips audio-s/s", "long audio-s/s", "max |Δ| from 1");
+    let mut first: Option<Vec<Vec<f32>>> = None;
+    for &budget in &args.budgets {
+        let inputs: Vec<(&[f32], &TranscribeOptions)> = short.iter().map(|c| (c.pcm.as_slice(), &opts)).collect();
+        let pb = progress(inputs.len(), format!("budget {budget}"))?;
+        let t = Instant::now();
+        let out = whisper.transcribe_many(&inputs, budget, &|_| false, &mut |_, _| {});
+        let short_secs = t.elapsed().as_secs_f64();
+        pb.finish_and_clear();
+        let vectors = out
+            .into_iter()
+            .map(|r| r.map_err(|e| anyhow::anyhow!("{e:#}"))?.embedding.map(|e| e.vector).context("no embedding"))
+            .collect::<Result<Vec<_>>>()?;
+        let t = Instant::now();
+        let long_out = whisper.transcribe_many(&[(long.as_slice(), &opts)], budget, &|_| false, &mut |_, _| {});
+        let long_secs = t.elapsed().as_secs_f64();
+        long_out.into_iter().next().context("one result")?.map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        let first = first.get_or_insert_with(|| vectors.clone());
+        let apart = first.iter().flatten().zip(vectors.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        println!("{budget:>8} {:>16.1} {:>16.1} {apart:>16.1e}", short_seconds / short_secs, long_seconds / long_secs);
     }
     Ok(())
 }

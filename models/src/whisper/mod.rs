@@ -795,6 +795,10 @@ impl Whisper {
                                 progress(work.input, Progress { done: item.done, total: item.total, text: "" });
                                 continue;
                             }
+                            let Some(cross) = cross else {
+                                items[work.input].error.get_or_insert_with(|| anyhow!("a decoded window was encoded without its cross-attention"));
+                                continue;
+                            };
                             let tag = works.len();
                             works.push(work);
                             batch.add(decode::Window {
@@ -1074,10 +1078,11 @@ impl Whisper {
     }
 
     /// Encodes the audio of `works` and returns each one's cross-attention keys/values (one
-    /// row each), detecting the language of inputs that need it from their first window.
-    /// A window whose input asks for word timestamps also gets its encoder output.
+    /// row each; none for a window that is embedded, not decoded), detecting the language of
+    /// inputs that need it from their first window. A window whose input asks for word
+    /// timestamps or an embedding also gets its encoder output.
     #[allow(clippy::type_complexity)]
-    fn encode(&self, inputs: &[Option<TranscribeInput<'_>>], works: &[Work], items: &mut [Pending]) -> Result<Vec<(decoder::CrossKv, Option<candle_core::Tensor>)>> {
+    fn encode(&self, inputs: &[Option<TranscribeInput<'_>>], works: &[Work], items: &mut [Pending]) -> Result<Vec<(Option<decoder::CrossKv>, Option<candle_core::Tensor>)>> {
         let positions: Vec<usize> = works.iter().map(|w| w.positions).collect();
         // Windows run through the encoder in groups (see `encoder_groups`); a window shorter
         // than its group's longest gets zero mel frames after its own, which the encoder
@@ -1089,6 +1094,9 @@ impl Whisper {
             let options = &input_of(inputs, works[r].input).options;
             options.word_timestamps || options.embed
         };
+        // Only windows that decode attend to their encoder output; the cross-attention keys and
+        // values of an embedded window would be projections for nothing.
+        let decodes = |r: usize| !input_of(inputs, works[r].input).options.embed;
         let mixed = self.encoder.takes_lengths();
         // Where the encoder and the cross-attention take windows end to end, all of them go
         // through as one group with no padding at all.
@@ -1109,18 +1117,33 @@ impl Whisper {
                     mel::window_mel(config, filters, pcm, works[r].range, 2 * positions[r], device)
                 })
                 .collect::<Result<Vec<_>>>()?;
+            // The group's rows that decode, in order: the cross-attention's rows.
+            let decoding: Vec<usize> = rows.iter().copied().filter(|&r| decodes(r)).collect();
             let cross = if ragged {
                 let (encoded, lens) = self.encoder.forward_ragged(&mels)?;
                 drop(mels);
+                let (mut kept, mut kept_lens) = (Vec::with_capacity(decoding.len()), Vec::with_capacity(decoding.len()));
                 let mut at = 0;
                 for (k, &r) in rows.iter().enumerate() {
+                    let window = encoded.narrow(0, at, lens[k])?;
                     if keeps_features(r) {
                         // A copy: a view would keep the whole group's output alive.
-                        features[r] = Some(encoded.narrow(0, at, lens[k])?.copy()?);
+                        features[r] = Some(window.copy()?);
+                    }
+                    if decodes(r) {
+                        kept.push(window);
+                        kept_lens.push(lens[k]);
                     }
                     at += lens[k];
                 }
-                self.decoder.cross_kv_ragged(&encoded, &lens)?
+                if kept.len() == rows.len() {
+                    drop(kept);
+                    Some(self.decoder.cross_kv_ragged(&encoded, &lens)?)
+                } else if kept.is_empty() {
+                    None
+                } else {
+                    Some(self.decoder.cross_kv_ragged(&candle_core::Tensor::cat(&kept, 0)?, &kept_lens)?)
+                }
             } else {
                 let mels = mels
                     .iter()
@@ -1135,21 +1158,30 @@ impl Whisper {
                         features[r] = Some(encoded.get(k)?.narrow(0, 0, lens[k])?.copy()?);
                     }
                 }
-                self.decoder.cross_kv(&encoded, Some(&lens))?
+                if decoding.len() == rows.len() {
+                    Some(self.decoder.cross_kv(&encoded, Some(&lens))?)
+                } else if decoding.is_empty() {
+                    None
+                } else {
+                    let kept: Vec<u32> = (0..rows.len() as u32).filter(|&k| decodes(rows[k as usize])).collect();
+                    let lens: Vec<usize> = decoding.iter().map(|&r| positions[r]).collect();
+                    let encoded = encoded.index_select(&candle_core::Tensor::new(kept.as_slice(), encoded.device())?, 0)?;
+                    Some(self.decoder.cross_kv(&encoded, Some(&lens))?)
+                }
             };
-            for (k, &r) in rows.iter().enumerate() {
-                crosses[r] = Some(cross.row(k)?);
+            if let Some(cross) = cross {
+                for (k, &r) in decoding.iter().enumerate() {
+                    crosses[r] = Some(cross.row(k)?);
+                }
             }
         }
-        let crosses: Vec<(decoder::CrossKv, Option<candle_core::Tensor>)> =
-            crosses.into_iter().zip(features).map(|(c, f)| (c.expect("every row is in a group"), f)).collect();
-        for (work, (cross, _)) in works.iter().zip(&crosses) {
-            if items[work.input].language.is_none() {
+        for (work, cross) in works.iter().zip(&crosses) {
+            if let (None, Some(cross)) = (&items[work.input].language, cross) {
                 let (id, code) = self.detect_language(cross)?;
                 items[work.input].language = Some((Some(id), code));
             }
         }
-        Ok(crosses)
+        Ok(crosses.into_iter().zip(features).collect())
     }
 
     /// Splits a window's tokens at timestamp tokens into segments, each with its text tokens;
