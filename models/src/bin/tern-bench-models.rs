@@ -192,29 +192,47 @@ fn librivox(dir: &Path) -> Result<Vec<Clip>> {
         .collect()
 }
 
-/// The LibriVox clips and one recording of about `--long-seconds` made of them in turn, with
-/// half a second of silence after each, and the recording's reference words.
-fn long_recording(args: &Args, clips: &[Clip]) -> (Vec<f32>, Vec<String>) {
-    let mut long = Vec::new();
-    let mut long_words = Vec::new();
-    for clip in clips.iter().cycle() {
-        if long.len() as f64 / 16_000.0 >= args.long_seconds {
-            break;
+/// The Whisper sections' speech: the LibriVox clips, and one recording of about
+/// `--long-seconds` made of them in turn, half a second of silence after each, with its
+/// reference words.
+struct Speech {
+    clips: Vec<Clip>,
+    long: Vec<f32>,
+    long_words: Vec<String>,
+}
+
+impl Speech {
+    fn load(args: &Args, dir: &Path) -> Result<Speech> {
+        let clips = librivox(&dir.join("testdata/librivox"))?;
+        anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
+        let (mut long, mut long_words) = (Vec::new(), Vec::new());
+        for clip in clips.iter().cycle() {
+            if long.len() as f64 / 16_000.0 >= args.long_seconds {
+                break;
+            }
+            long.extend_from_slice(&clip.pcm);
+            long.extend(std::iter::repeat_n(0.0f32, 8_000));
+            long_words.extend(words(&clip.text));
         }
-        long.extend_from_slice(&clip.pcm);
-        long.extend(std::iter::repeat_n(0.0f32, 8_000));
-        long_words.extend(words(&clip.text));
+        Ok(Speech { clips, long, long_words })
     }
-    (long, long_words)
+
+    /// `n` clips, the LibriVox ones in turn, and their seconds of audio.
+    fn short(&self, n: usize) -> (Vec<&Clip>, f64) {
+        let short: Vec<&Clip> = self.clips.iter().cycle().take(n).collect();
+        let seconds = short.iter().map(|c| c.pcm.len() as f64 / 16_000.0).sum();
+        (short, seconds)
+    }
+
+    fn long_seconds(&self) -> f64 {
+        self.long.len() as f64 / 16_000.0
+    }
 }
 
 fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
-    let clips = librivox(&dir.join("testdata/librivox"))?;
-    anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
-    let short: Vec<&Clip> = clips.iter().cycle().take(args.clips).collect();
-    let short_seconds: f64 = short.iter().map(|c| c.pcm.len() as f64 / 16_000.0).sum();
-    let (long, long_words) = long_recording(args, &clips);
-    let long_seconds = long.len() as f64 / 16_000.0;
+    let speech = Speech::load(args, dir)?;
+    let (short, short_seconds) = speech.short(args.clips);
+    let (long, long_words, long_seconds) = (&speech.long, &speech.long_words, speech.long_seconds());
 
     let started = Instant::now();
     let mut whisper = Whisper::load_ct2_in(&dir.join(&args.whisper_model), device, args.precision)?;
@@ -273,7 +291,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         println!("{budget:>8} {short_rate:>16.1} {wer:>9.1}% {differ:>14} {long_rate:>16.1} {long_wer:>9.1}%");
     }
     if let Some(python) = &args.faster_whisper_python {
-        let (theirs, version) = faster_whisper_wer(python, args, dir, &clips, &short)?;
+        let (theirs, version) = faster_whisper_wer(python, args, dir, &speech.clips, &short)?;
         println!(
             "clips WER, the same clips and normalisation: tern {:.1}% (budget {}, padding {:?}, beam {}), faster-whisper {version} {theirs:.1}% (full padding, beam {}, float32)",
             rows.first().map_or(0.0, |r| r.2),
@@ -289,12 +307,9 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
 /// Recordings as vectors (`audio_embed`): the clips and the long recording at each window
 /// budget, audio seconds per second, and how far each budget's vectors lie from budget 1's.
 fn audio_embed(args: &Args, dir: &Path, device: &Device) -> Result<()> {
-    let clips = librivox(&dir.join("testdata/librivox"))?;
-    anyhow::ensure!(!clips.is_empty(), "no LibriVox clips found");
-    let short: Vec<&Clip> = clips.iter().cycle().take(args.clips).collect();
-    let short_seconds: f64 = short.iter().map(|c| c.pcm.len() as f64 / 16_000.0).sum();
-    let (long, _) = long_recording(args, &clips);
-    let long_seconds = long.len() as f64 / 16_000.0;
+    let speech = Speech::load(args, dir)?;
+    let (short, short_seconds) = speech.short(args.clips);
+    let (long, long_seconds) = (&speech.long, speech.long_seconds());
     let mut whisper = Whisper::load_ct2_in(&dir.join(&args.whisper_model), device, args.precision)?;
     whisper.warmup(args.budgets.iter().copied().max().unwrap_or(1), 1)?;
     let opts = TranscribeOptions { embed: true, padding: args.padding, ..TranscribeOptions::default() };
