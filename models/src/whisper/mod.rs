@@ -1117,8 +1117,9 @@ impl Whisper {
                     mel::window_mel(config, filters, pcm, works[r].range, 2 * positions[r], device)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            // The group's rows that decode, in order: the cross-attention's rows.
-            let decoding: Vec<usize> = rows.iter().copied().filter(|&r| decodes(r)).collect();
+            // The places in the group of the windows that decode, in order: the cross-attention's
+            // rows.
+            let decoding: Vec<usize> = (0..rows.len()).filter(|&k| decodes(rows[k])).collect();
             let cross = if ragged {
                 let (encoded, lens) = self.encoder.forward_ragged(&mels)?;
                 drop(mels);
@@ -1163,15 +1164,15 @@ impl Whisper {
                 } else if decoding.is_empty() {
                     None
                 } else {
-                    let kept: Vec<u32> = (0..rows.len() as u32).filter(|&k| decodes(rows[k as usize])).collect();
-                    let lens: Vec<usize> = decoding.iter().map(|&r| positions[r]).collect();
+                    let kept: Vec<u32> = decoding.iter().map(|&k| k as u32).collect();
+                    let lens: Vec<usize> = decoding.iter().map(|&k| lens[k]).collect();
                     let encoded = encoded.index_select(&candle_core::Tensor::new(kept.as_slice(), encoded.device())?, 0)?;
                     Some(self.decoder.cross_kv(&encoded, Some(&lens))?)
                 }
             };
             if let Some(cross) = cross {
-                for (k, &r) in decoding.iter().enumerate() {
-                    crosses[r] = Some(cross.row(k)?);
+                for (row, &k) in decoding.iter().enumerate() {
+                    crosses[rows[k]] = Some(cross.row(row)?);
                 }
             }
         }
