@@ -49,7 +49,8 @@ end
 -- The next value of a kind's sequence, which issues fencing tokens. A missing counter means
 -- Redis lost its data: it restarts from the clock in microseconds, above every token issued
 -- before the loss unless those averaged over one a microsecond, so a stale worker never holds
--- a token that is issued again (Postgres fences outcomes by it). Microseconds since 1970 stay exact in Lua's doubles until the year 2255.
+-- a token that is issued again (Postgres fences outcomes by it). Microseconds since 1970 stay
+-- exact in Lua's doubles until the year 2255.
 -- A script uses one kind's counter, so it is checked once per script call.
 local seq_checked = false
 local function next_seq(seq)

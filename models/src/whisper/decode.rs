@@ -907,15 +907,8 @@ impl<'a> WindowBatch<'a> {
                         Scores::Picked { token, logprob, no_speech }
                     }
                     Route::Top => {
-                        let mut beams = Vec::with_capacity(n);
-                        let mut no_speech = 0.0;
-                        for (k, (top, ns)) in tops.by_ref().take(n).enumerate() {
-                            if k == 0 {
-                                no_speech = ns;
-                            }
-                            beams.push(top);
-                        }
-                        Scores::Top { beams, no_speech }
+                        let (beams, no_speech): (Vec<_>, Vec<f32>) = tops.by_ref().take(n).unzip();
+                        Scores::Top { beams, no_speech: no_speech.first().copied().unwrap_or(0.0) }
                     }
                     Route::Host => Scores::Logits(host_logits.by_ref().take(n).collect()),
                 };
@@ -973,9 +966,6 @@ mod tests {
         assert_eq!(compression_ratio(""), 0.0);
     }
 
-    /// Random logits over a small vocabulary, where every rule binds often: the device's masks
-    /// pick the token the host's rules pick, with its log-probability, after every kind of
-    /// history (none, text, one or two timestamps), with and without timestamps.
     /// Specials of a 200-token vocabulary, laid out as Whisper's (timestamps last).
     fn small_vocabulary() -> (Specials, usize) {
         let sp = Specials {
@@ -1062,6 +1052,9 @@ mod tests {
         }
     }
 
+    /// Random logits over a small vocabulary, where every rule binds often: the device's masks
+    /// pick the token the host's rules pick, with its log-probability, after every kind of
+    /// history (none, text, one or two timestamps), with and without timestamps.
     #[test]
     fn device_picks_apply_the_host_rules() {
         let (sp, vocab) = small_vocabulary();
