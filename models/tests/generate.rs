@@ -324,8 +324,8 @@ fn a_request_admitted_mid_batch_joins_the_running_one_and_each_comes_out_as_alon
 /// with the matrices as the GGUF stores them and dequantized (a GPU's default): it answers as
 /// the model should, and requests of different prompt lengths decoded together, one joining
 /// mid-batch, each come out as they do alone (each keeps its own cache and position). The two
-/// admitted together have their prompts read in one padded pass, and the greedy one's tokens
-/// are picked on the device while the sampled one's logits come to the host.
+/// admitted together have their prompts read in one padded pass, and every token, greedy or
+/// sampled, is picked where the logits are (the device's path, on the CPU here).
 #[test]
 fn the_portable_pass_decodes_requests_together_each_as_alone() {
     the_portable_pass_decodes_each_as_alone(WeightLayout::Quantized);
@@ -373,3 +373,55 @@ fn the_portable_pass_decodes_each_as_alone(layout: WeightLayout) {
         assert_eq!(r.as_ref().expect("answered"), a, "request {i}: batched as alone");
     }
 }
+
+/// top_k 1 and a top_p that only the likeliest token reaches leave one token to draw: a sampled
+/// request then writes the greedy text, on tern's CPU pass and on the pass GPUs run.
+#[test]
+fn top_k_of_one_and_a_tiny_top_p_sample_the_greedy_text() {
+    let Some(dir) = model_dir() else { return };
+    let portable = Llm::load_gguf_portable(&dir, &Device::Cpu, WeightLayout::Dense).expect("load SmolLM2 on candle's ops");
+    for llm in [llm().expect("the model"), &portable] {
+        let greedy_text = llm.generate(&capital_question(), &greedy(12), &mut |_, _| true).unwrap();
+        for (top_k, top_p) in [(Some(1), None), (None, Some(1e-6))] {
+            let opts = GenerateOptions { max_tokens: 12, temperature: 0.9, top_k, top_p, seed: 9, ..Default::default() };
+            let g = llm.generate(&capital_question(), &opts, &mut |_, _| true).unwrap();
+            assert_eq!(g, greedy_text, "top_k {top_k:?}, top_p {top_p:?}");
+        }
+    }
+    let zero = GenerateOptions { top_k: Some(0), ..Default::default() };
+    let err = portable.generate(&capital_question(), &zero, &mut |_, _| true).unwrap_err();
+    assert_eq!(err.downcast_ref::<GenerateError>().map(GenerateError::code), Some("invalid_options"));
+}
+
+/// Tokens picked where a step's logits are and picked from logits copied to the host are the
+/// same tokens (`Llm::set_device_sampling`), for requests decoded together with every kind of
+/// setting: temperature alone, top_k, top_p, both, and greedy, each with its own seed. On a GPU
+/// the same comparison is `tern-bench-models --only sampling-check`.
+#[test]
+fn tokens_picked_with_the_logits_are_those_picked_on_the_host() {
+    let Some(dir) = model_dir() else { return };
+    let llm = Llm::load_gguf_portable(&dir, &Device::Cpu, WeightLayout::Dense).expect("load SmolLM2 on candle's ops");
+    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let opts = [
+        GenerateOptions { max_tokens: 16, temperature: 0.8, seed: 1, ..Default::default() },
+        GenerateOptions { max_tokens: 16, temperature: 1.0, top_k: Some(20), seed: 2, ..Default::default() },
+        GenerateOptions { max_tokens: 16, temperature: 0.9, top_p: Some(0.9), seed: 3, ..Default::default() },
+        GenerateOptions { max_tokens: 16, temperature: 0.7, top_k: Some(40), top_p: Some(0.95), seed: 4, ..Default::default() },
+        greedy(16),
+    ];
+    let run = |device_sampling: bool| -> Vec<Generation> {
+        llm.set_device_sampling(device_sampling);
+        let mut callbacks: Vec<_> = (0..opts.len()).map(|_| |_: &str, _: usize| true).collect();
+        let requests = opts
+            .iter()
+            .zip(callbacks.iter_mut())
+            .map(|(options, on_text)| GenerationRequest { prompt: &story, options, on_text: on_text as &mut dyn FnMut(&str, usize) -> bool })
+            .collect();
+        llm.generate_batch(requests).into_iter().map(Result::unwrap).collect()
+    };
+    let (with_logits, on_host) = (run(true), run(false));
+    assert_eq!(with_logits, on_host);
+    let distinct: std::collections::HashSet<&str> = with_logits.iter().map(|g| g.text.as_str()).collect();
+    assert!(distinct.len() > 2, "the settings and seeds should give different texts: {with_logits:?}");
+}
+

@@ -15,6 +15,12 @@
 #   whisper-base  the same for Whisper base (stage.sh's `base` pack): budgets 1 and 1,024
 #   generate   tern-bench-models' generation (1..256 requests together) on the language model's
 #              matrices quantized as stored and dense (dequantized at load), GPU use sampled
+#   sampling   the token picks of generation on the device against the host's on the same
+#              logits, then generation (dense, 1..256 requests) with tokens picked on the
+#              device and on the host, and kept quantized, GPU use sampled
+#   whisper-full  Whisper tiny.en at full 30 s padding (the worker's default, the reference's
+#              transcripts): greedy at budgets 1, 256 and 1,024, beam 5 at 256 and 1,024 with
+#              picks on the device, beam 5 with host picks
 #   service    tern-bench-transcribe through API, queue, worker and S3, tiny.en and base, window
 #              budget 1 and the measured one, GPU utilisation sampled by nvidia-smi
 #   oom        a real CUDA out-of-memory: another process takes the device's memory after the
@@ -144,6 +150,31 @@ generate() {
     with_gpu_samples "$OUT/smi-generate-$weights.csv" "$b" --device cuda --only generate \
       --llm-weights "$weights" --gen-batches 16,64,128,256 2>&1 | tee "$OUT/generate-$weights.log"
   done
+}
+
+sampling() {
+  local b="$ROOT/bin/tern-bench-models" m
+  step "sampling: device picks against host picks on the same logits"
+  "$b" --device cuda --only sampling-check 2>&1 | tee "$OUT/sampling-check.log"
+  for m in device host; do
+    step "sampling: generation, dense, tokens picked on the $m"
+    with_gpu_samples "$OUT/smi-generate-$m.csv" "$b" --device cuda --only generate --llm-weights dense \
+      --gen-batches 16,64,256 $([[ $m == host ]] && echo --host-sampling) 2>&1 | tee "$OUT/generate-$m.log"
+  done
+  step "sampling: generation, kept quantized, tokens picked on the device"
+  "$b" --device cuda --only generate --llm-weights quantized --gen-batches 64 2>&1 | tee "$OUT/generate-quantized.log"
+}
+
+whisper-full() {
+  local b="$ROOT/bin/tern-bench-models" m=whisper-tiny.en
+  step "whisper-full: tiny.en greedy, full padding, budget 1 (128 clips)"
+  "$b" --device cuda --only transcribe --whisper-model $m --clips 128 --long-seconds 1 --beam-size 1 --padding full --budgets 1 2>&1 | tee "$OUT/full-greedy-1.log"
+  step "whisper-full: tiny.en greedy, full padding, budgets 256 and 1024 (1,024 clips)"
+  "$b" --device cuda --only transcribe --whisper-model $m --clips 1024 --beam-size 1 --padding full --budgets 256,1024 2>&1 | tee "$OUT/full-greedy.log"
+  step "whisper-full: tiny.en beam 5, full padding, picks on the device, budgets 256 and 1024"
+  "$b" --device cuda --only transcribe --whisper-model $m --clips 1024 --beam-size 5 --padding full --budgets 256,1024 2>&1 | tee "$OUT/full-beam5.log"
+  step "whisper-full: tiny.en beam 5, full padding, host picks, budget 256"
+  "$b" --device cuda --only transcribe --whisper-model $m --clips 1024 --long-seconds 1 --beam-size 5 --padding full --budgets 256 --host-picks 2>&1 | tee "$OUT/full-beam5-host.log"
 }
 
 service() {

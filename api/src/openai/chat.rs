@@ -90,7 +90,8 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
     if let Some(max) = max {
         input.insert("max_tokens".into(), max.clone());
     }
-    for field in ["temperature", "top_p", "seed"] {
+    // top_k is no field of OpenAI's, but servers that speak its API (vLLM, llama.cpp) take it.
+    for field in ["temperature", "top_p", "top_k", "seed"] {
         if let Some(v) = body.get(field).filter(|v| !v.is_null()) {
             input.insert(field.into(), v.clone());
         }

@@ -17,7 +17,7 @@
 //! Build with `--features bench` (and `cuda` for `--device cuda`); the workspace build does.
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
@@ -46,7 +46,8 @@ struct Args {
     /// BF16; F16 on a GPU), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     precision: Precision,
-    /// Sections to run, comma-separated: transcribe, audio-embed, embed, generate.
+    /// Sections to run, comma-separated: transcribe, audio-embed, embed, generate,
+    /// sampling-check (the device's token picks against the host's on the same random logits).
     #[arg(long, value_delimiter = ',', default_value = "transcribe,audio-embed,embed,generate")]
     only: Vec<String>,
     /// Whisper model folder under the models directory.
@@ -78,6 +79,10 @@ struct Args {
     /// (`Whisper::set_device_picks`).
     #[arg(long)]
     host_picks: bool,
+    /// Generation: copy each step's logits to the host and pick the tokens there (the same
+    /// rules), as before tokens were picked on the device.
+    #[arg(long)]
+    host_sampling: bool,
     /// Embedding batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
     embed_batches: Vec<usize>,
@@ -159,7 +164,8 @@ fn main() -> Result<()> {
             "audio-embed" => audio_embed(&args, &dir, &device)?,
             "embed" => embed(&args, &dir, &device)?,
             "generate" => generate(&args, &dir, &device)?,
-            other => bail!("unknown section {other:?}; use transcribe, audio-embed, embed or generate"),
+            "sampling-check" => sampling_check(&device)?,
+            other => bail!("unknown section {other:?}; use transcribe, audio-embed, embed, generate or sampling-check"),
         }
     }
     Ok(())
@@ -426,6 +432,8 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     }
     .context("run scripts/models.sh --all")?;
     eprintln!("{}: weights {} ({:.0} MB resident)", args.llm_model, args.llm_weights, llm.weights_bytes() as f64 / 1e6);
+    llm.set_device_sampling(!args.host_sampling);
+    println!("{}: tokens picked on the {}", args.llm_model, if args.host_sampling { "host" } else { "logits' device" });
     let prompt = Prompt::Chat(vec![ChatMessage {
         role: "user".into(),
         content: "Write a long story about a lighthouse keeper who finds a message in a bottle.".into(),
@@ -494,12 +502,15 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         println!("{}: {batch} requests together: {:.1} tokens/s in all ({tokens} tokens in {secs:.2} s)", args.llm_model, tokens as f64 / secs);
         let s = llm.last_batch_stats();
         let per_step = |secs: f64| 1e3 * secs / s.steps.max(1) as f64;
+        // On a GPU a step's kernels run asynchronously: their wait falls in picking, where
+        // the tokens come back; the step's whole time is the sum.
         println!(
-            "  {} prompts read in {:.2} s; {} steps of {:.1} rows on average, per step: forward {:.2} ms, sampling {:.2} ms, text {:.2} ms",
+            "  {} prompts read in {:.2} s; {} steps of {:.1} rows on average, per step {:.2} ms: forward {:.2} ms, picking {:.2} ms, text {:.2} ms",
             s.prefills,
             s.prefill_secs,
             s.steps,
             s.rows as f64 / s.steps.max(1) as f64,
+            per_step(s.forward_secs + s.sample_secs + s.text_secs),
             per_step(s.forward_secs),
             per_step(s.sample_secs),
             per_step(s.text_secs)
@@ -543,3 +554,47 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     );
     Ok(())
 }
+
+/// The device's token picks against the host's on the same random logits (rows the size of a
+/// large step, SmolLM2's vocabulary, every kind of setting), and the time of each. Rows may
+/// differ only where a draw falls within rounding of a boundary between two tokens (the
+/// device's exp is not the host's).
+fn sampling_check(device: &Device) -> Result<()> {
+    use tern_models::generate::sampling::{pick_tokens, RowSettings};
+    let (rows, vocab) = (256, 49_152);
+    // Peaked like a language model's: a few tokens stand out.
+    let logits = (Tensor::randn(0f32, 1.0, (rows, vocab), device)? * 3.0)?;
+    let host = logits.to_device(&Device::Cpu)?;
+    let settings: Vec<RowSettings> = (0..rows)
+        .map(|r| {
+            let u = ((r as f32 + 0.5) * 0.618_034).fract();
+            match r % 5 {
+                0 => RowSettings { temperature: 0.0, top_p: 1.0, top_k: 0, u },
+                1 => RowSettings { temperature: 0.7, top_p: 1.0, top_k: 0, u },
+                2 => RowSettings { temperature: 0.9, top_p: 0.9, top_k: 0, u },
+                3 => RowSettings { temperature: 1.0, top_p: 1.0, top_k: 40, u },
+                _ => RowSettings { temperature: 0.6, top_p: 0.95, top_k: 50, u },
+            }
+        })
+        .collect();
+    let on_device = pick_tokens(&logits, &settings)?; // compiles and loads the kernel
+    let on_host = pick_tokens(&host, &settings)?;
+    let agree = on_device.iter().zip(&on_host).filter(|(a, b)| a == b).count();
+    let time = |f: &dyn Fn() -> Result<Vec<u32>>| -> Result<f64> {
+        let start = Instant::now();
+        for _ in 0..20 {
+            f()?;
+        }
+        Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
+    };
+    let device_ms = time(&|| Ok(pick_tokens(&logits, &settings)?))?;
+    let host_ms = time(&|| Ok(pick_tokens(&logits.to_device(&Device::Cpu)?, &settings)?))?;
+    println!(
+        "sampling check: {agree} of {rows} rows pick the same token on the device as on the host; {rows} rows x {vocab} picked in {device_ms:.2} ms on the device, {host_ms:.2} ms copied to the host and picked there"
+    );
+    if agree + rows / 50 < rows {
+        bail!("the device's picks differ from the host's on {} of {rows} rows", rows - agree);
+    }
+    Ok(())
+}
+

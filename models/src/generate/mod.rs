@@ -11,20 +11,21 @@
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 
 mod batched;
 mod llama;
+pub mod sampling;
 use batched::BatchedLlama;
 use llama::{Llama, Segment};
-use rayon::prelude::*;
+use sampling::{pick_tokens, RowSettings, Sampler};
 use serde::{Deserialize, Serialize};
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -81,6 +82,9 @@ pub struct GenerateOptions {
     /// Nucleus sampling: sample only from the most likely tokens whose probabilities add up
     /// to `top_p`, in (0, 1]. Default `None` (sample from the whole distribution).
     pub top_p: Option<f64>,
+    /// Sample only from the `top_k` likeliest tokens (those tied with the k-th too), at least
+    /// 1; applied before `top_p`. Default `None` (no cut).
+    pub top_k: Option<usize>,
     /// Seed of the sampler: the same prompt, options and seed give the same text. Default 0.
     pub seed: u64,
     /// Stop sequences, at most [`MAX_STOP_SEQUENCES`], none empty. Default none. Matched on
@@ -95,6 +99,7 @@ impl Default for GenerateOptions {
             max_tokens: DEFAULT_MAX_TOKENS,
             temperature: DEFAULT_TEMPERATURE,
             top_p: None,
+            top_k: None,
             seed: 0,
             stop: Vec::new(),
         }
@@ -121,6 +126,9 @@ impl GenerateOptions {
                 return invalid(format!("top_p must be in (0, 1], got {p}"));
             }
         }
+        if self.top_k == Some(0) {
+            return invalid("top_k must be at least 1".into());
+        }
         if self.stop.len() > MAX_STOP_SEQUENCES {
             return invalid(format!(
                 "at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {}",
@@ -131,18 +139,6 @@ impl GenerateOptions {
             return invalid("stop sequences must not be empty".into());
         }
         Ok(())
-    }
-
-    fn sampling(&self) -> Sampling {
-        if self.temperature <= 0.0 {
-            return Sampling::ArgMax;
-        }
-        let temperature = self.temperature;
-        match self.top_p {
-            // top_p = 1 keeps every token: plain sampling, without sorting the vocabulary.
-            Some(p) if p < 1.0 => Sampling::TopP { p, temperature },
-            _ => Sampling::All { temperature },
-        }
     }
 }
 
@@ -257,6 +253,9 @@ pub struct Llm {
     weights_bytes: u64,
     /// Where the time of the last [`Llm::generate_continuous`] call went.
     last_stats: std::sync::Mutex<BatchStats>,
+    /// Tokens picked where a step's logits are (a GPU's); false copies them to the host first.
+    /// Default true ([`Llm::set_device_sampling`]).
+    device_sampling: AtomicBool,
 }
 
 /// Where the time of a call that decodes requests together went ([`Llm::last_batch_stats`]):
@@ -372,6 +371,7 @@ impl Llm {
                     end_ids,
                     context_length,
                     last_stats: Default::default(),
+                    device_sampling: AtomicBool::new(true),
                 });
             }
         }
@@ -412,6 +412,7 @@ impl Llm {
             context_length,
             weights_bytes,
             last_stats: Default::default(),
+            device_sampling: AtomicBool::new(true),
         })
     }
 
@@ -419,6 +420,17 @@ impl Llm {
     /// went, where its requests decoded together (zeros for candle's `quantized_llama`).
     pub fn last_batch_stats(&self) -> BatchStats {
         *self.last_stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a step's tokens are picked on the device its logits are on (default true), or
+    /// its logits are copied to the host and picked there, by the same rules: for benchmarks
+    /// comparing the two.
+    pub fn set_device_sampling(&self, on: bool) {
+        self.device_sampling.store(on, Ordering::Relaxed);
+    }
+
+    fn device_sampling(&self) -> bool {
+        self.device_sampling.load(Ordering::Relaxed)
     }
 
     /// Tokens of `prompt` once rendered (template included for [`Prompt::Chat`]), the figure
@@ -617,9 +629,9 @@ impl Llm {
             stats.rows += live.len();
             stats.forward_secs += forward.elapsed().as_secs_f64();
             let sampling = Instant::now();
-            let greedy: Vec<bool> = live.iter().map(|l| matches!(l.1.opts.sampling(), Sampling::ArgMax)).collect();
-            let picks = match logits.and_then(|logits| logits.pick(&greedy)) {
-                Ok(picks) => picks,
+            let settings: Vec<RowSettings> = live.iter_mut().map(|l| l.1.sampler.next_row()).collect();
+            let tokens = match logits.and_then(|logits| logits.pick(&settings, self.device_sampling())) {
+                Ok(tokens) => tokens,
                 Err(e) => {
                     for (number, ..) in live.drain(..) {
                         done(number, Err(anyhow!("{e:#}")));
@@ -627,13 +639,11 @@ impl Llm {
                     continue;
                 }
             };
-            let samplers: Vec<&mut LogitsProcessor> = live.iter_mut().map(|l| &mut l.1.sampler).collect();
-            let tokens = sample_rows(samplers, picks);
             stats.sample_secs += sampling.elapsed().as_secs_f64();
             let text = Instant::now();
             let mut still = Vec::with_capacity(live.len());
             for ((number, mut seq, cache, _), token) in live.into_iter().zip(tokens) {
-                match token.and_then(|token| seq.accept(self, token)) {
+                match seq.accept(self, token) {
                     Ok(Step::Next(token)) => still.push((number, seq, cache, token)),
                     Ok(Step::Done(generation)) => done(number, Ok(generation)),
                     Err(e) => done(number, Err(e)),
@@ -708,7 +718,7 @@ impl Llm {
         let seq = Decoding {
             opts,
             on_text,
-            sampler: LogitsProcessor::from_sampling(opts.seed, opts.sampling()),
+            sampler: Sampler::new(opts),
             prompt_tokens,
             generated: Vec::with_capacity(opts.max_tokens),
             text: IncrementalText::default(),
@@ -770,43 +780,23 @@ trait BatchedPass {
 /// A step's logits, `rows x vocabulary`, where the forward pass left them.
 enum StepLogits {
     Host(Vec<Vec<f32>>),
-    /// On the pass's device: greedy rows are picked there, so only their tokens come back.
+    /// On the pass's device, where the tokens are picked (only they come back).
     Device(Tensor),
 }
 
-/// A row's next token, or the logits its sampler draws it from.
-enum Pick {
-    Token(u32),
-    Logits(Vec<f32>),
-}
-
 impl StepLogits {
-    /// On the device, each row's argmax where `greedy[row]` (the first of equal maxima, where
-    /// [`LogitsProcessor`] takes the last: they differ only on exactly equal logits) and the
-    /// logits of the others; on the host, every row's logits, for its sampler.
-    fn pick(self, greedy: &[bool]) -> Result<Vec<Pick>> {
+    /// Each row's next token by its settings ([`sampling`]), picked where the logits are, or
+    /// on the host when `on_device` is false (to compare the two).
+    fn pick(self, settings: &[RowSettings], on_device: bool) -> Result<Vec<u32>> {
         let logits = match self {
-            StepLogits::Host(logits) => return Ok(logits.into_iter().map(Pick::Logits).collect()),
-            StepLogits::Device(logits) => logits,
+            StepLogits::Host(rows) => {
+                let (n, vocab) = (rows.len(), rows.first().map_or(0, Vec::len));
+                Tensor::from_vec(rows.concat(), (n, vocab), &Device::Cpu)?
+            }
+            StepLogits::Device(logits) if on_device => logits,
+            StepLogits::Device(logits) => logits.to_device(&Device::Cpu)?,
         };
-        if !greedy.contains(&true) {
-            return Ok(logits.to_vec2()?.into_iter().map(Pick::Logits).collect());
-        }
-        let tokens: Vec<u32> = logits.argmax(1)?.to_vec1()?;
-        let sampled: Vec<u32> = (0..greedy.len() as u32).filter(|&r| !greedy[r as usize]).collect();
-        let mut sampled_logits = match sampled.is_empty() {
-            true => Vec::new(),
-            false => logits.index_select(&Tensor::new(sampled.as_slice(), logits.device())?, 0)?.to_vec2()?,
-        }
-        .into_iter();
-        Ok(greedy
-            .iter()
-            .zip(tokens)
-            .map(|(&g, token)| match g {
-                true => Pick::Token(token),
-                false => Pick::Logits(sampled_logits.next().unwrap_or_default()),
-            })
-            .collect())
+        Ok(pick_tokens(&logits, settings)?)
     }
 }
 
@@ -862,39 +852,17 @@ pub struct GenerationRequest<'a> {
     pub on_text: &'a mut dyn FnMut(&str, usize) -> bool,
 }
 
-/// Rows of a step from which [`sample_rows`] samples on several threads.
-const PARALLEL_SAMPLING_ROWS: usize = 8;
-
-/// Each row's next token from its logits, by its own sampler (so a request's tokens do not
-/// depend on its neighbours). Sampling reads a row's whole vocabulary (49,152 logits for
-/// SmolLM2) on the host; from [`PARALLEL_SAMPLING_ROWS`] rows on, rows are sampled side by
-/// side on rayon's threads, so a GPU waits less for the host between steps.
-fn sample_rows(samplers: Vec<&mut LogitsProcessor>, picks: Vec<Pick>) -> Vec<Result<u32>> {
-    let sample = |(sampler, pick): (&mut LogitsProcessor, Pick)| -> Result<u32> {
-        match pick {
-            Pick::Token(token) => Ok(token),
-            Pick::Logits(logits) => Ok(sampler.sample(&logits_tensor(logits)?)?),
-        }
-    };
-    let sampled = picks.iter().filter(|p| matches!(p, Pick::Logits(_))).count();
-    if sampled < PARALLEL_SAMPLING_ROWS {
-        samplers.into_iter().zip(picks).map(sample).collect()
-    } else {
-        samplers.into_par_iter().zip(picks).map(sample).collect()
-    }
-}
-
-/// A row of logits as a host tensor, as [`LogitsProcessor`] takes them.
+/// A row of logits as a host tensor `(1, vocabulary)`.
 fn logits_tensor(logits: Vec<f32>) -> Result<Tensor> {
     let n = logits.len();
-    Ok(Tensor::from_vec(logits, n, &Device::Cpu)?)
+    Ok(Tensor::from_vec(logits, (1, n), &Device::Cpu)?)
 }
 
 /// A request being decoded: its sampler, the tokens and text so far, and its stop checks.
 struct Decoding<'a> {
     opts: &'a GenerateOptions,
     on_text: &'a mut dyn FnMut(&str, usize) -> bool,
-    sampler: LogitsProcessor,
+    sampler: Sampler,
     prompt_tokens: usize,
     generated: Vec<u32>,
     text: IncrementalText,
@@ -912,10 +880,11 @@ enum Step {
 }
 
 impl Decoding<'_> {
-    /// Samples the next token from `logits` (the vocabulary's, for the newest position) and
-    /// decides whether the request goes on.
+    /// Picks the next token from `logits` (the vocabulary's, for the newest position, `(1,
+    /// vocabulary)` or `(vocabulary,)`, on any device) and decides whether the request goes on.
     fn step(&mut self, llm: &Llm, logits: &Tensor) -> Result<Step> {
-        let next = self.sampler.sample(logits)?;
+        let logits = if logits.rank() == 1 { logits.unsqueeze(0)? } else { logits.clone() };
+        let next = pick_tokens(&logits, &[self.sampler.next_row()])?[0];
         self.accept(llm, next)
     }
 

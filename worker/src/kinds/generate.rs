@@ -21,6 +21,7 @@ fn options(input: &Value) -> GenerateOptions {
         max_tokens: input.get("max_tokens").and_then(Value::as_u64).map_or(defaults.max_tokens, |n| n as usize),
         temperature: input.get("temperature").and_then(Value::as_f64).unwrap_or(defaults.temperature),
         top_p: input.get("top_p").and_then(Value::as_f64).or(defaults.top_p),
+        top_k: input.get("top_k").and_then(Value::as_u64).map(|k| k as usize).or(defaults.top_k),
         seed: input.get("seed").and_then(Value::as_u64).unwrap_or(defaults.seed),
         stop: input
             .get("stop")
