@@ -97,8 +97,8 @@ impl Embedder {
     }
 
     /// [`Self::load`] computing in `precision`'s dtype ([`Precision::dtype`]: `Auto` is F16 on
-    /// a GPU, F32 on the CPU). On the CPU, `Auto` takes BF16 products (F32 sums) where the CPU
-    /// has AVX-512 BF16 and `F32` keeps F32 ones; `F16` and `Bf16` compute in half precision
+    /// a GPU, F32 on the CPU). On the CPU, `Bf16Products` takes BF16 products (F32 sums) where the
+    /// CPU has AVX-512 BF16, and `Auto` and `F32` keep F32 ones; `F16` and `Bf16` compute in half precision
     /// there too (slowly: candle's CPU kernels are made for F32), which is how the half
     /// precision path is tested without a GPU. Padding is masked with a finite value, so half
     /// precision gives the F32 vectors to a cosine of 0.999 and better.
@@ -126,7 +126,7 @@ impl Embedder {
         // SAFETY: the file is only read; tern's models directory is not rewritten while in use.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], dtype, device)? };
         // tern's encoder takes F32 on the CPU; it declines the rest.
-        let model = match crate::bert::Bert::load(vb.clone(), &config, precision == Precision::Auto).context("building the BERT model")? {
+        let model = match crate::bert::Bert::load(vb.clone(), &config, precision == Precision::Bf16Products).context("building the BERT model")? {
             Some(bert) => Encoder::Tern(bert),
             None => Encoder::Candle(CandleBert::load(vb, &config).context("building the BERT model")?),
         };

@@ -4,12 +4,10 @@ use candle_core::{DType, Device};
 
 /// Precision of Whisper's weights and activations (the embedder computes in F32 but for the
 /// BF16 products below, see [`crate::embed::Embedder::load_in`]; the language model keeps its
-/// GGUF quantisation). `Auto`
-/// (the default) is F16 on a GPU, where half precision doubles the tensor cores' rate and halves
-/// the memory per window, and F32 on the CPU, where candle's half-precision kernels are slower
-/// than its F32 ones, except that on CPUs with AVX-512 BF16 the encoder's linear layers take
-/// BF16 products with F32 sums (twice the F32 rate there; same word error rates on the test
-/// speech). `F32` keeps every product in F32.
+/// GGUF quantisation). `Auto` (the default) is F16 on a GPU, where half precision doubles the
+/// tensor cores' rate and halves the memory per window (faster-whisper's default there too),
+/// and F32 on the CPU, what the reference computes there (candle's half-precision kernels are
+/// slower than its F32 ones on a CPU anyway).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
     #[default]
@@ -17,10 +15,16 @@ pub enum Precision {
     F32,
     F16,
     Bf16,
+    /// F32, with the linear layers' products in BF16 (F32 sums) on CPUs with AVX-512 BF16 or
+    /// AMX: about twice the F32 rate there, at a cost in results: a close call between two
+    /// tokens can tip (base's punctuation of one LibriVox clip; on AMX tiny.en's "Cloves"
+    /// read "Clothes"), and embeddings move within a cosine of 0.999 (docs/benchmarks.md,
+    /// "Transcripts equal to faster-whisper's"). F32 elsewhere. Chosen, never the default.
+    Bf16Products,
 }
 
 impl Precision {
-    /// Whether this CPU has AVX-512 BF16, where `Auto` takes BF16 products on the CPU.
+    /// Whether this CPU has AVX-512 BF16, where `Bf16Products` takes BF16 products.
     pub fn cpu_has_bf16_products() -> bool {
         tern_kernels::bf16_gemm::available()
     }
@@ -36,7 +40,7 @@ impl Precision {
         match self {
             Precision::Auto if device.is_cpu() => DType::F32,
             Precision::Auto | Precision::F16 => DType::F16,
-            Precision::F32 => DType::F32,
+            Precision::F32 | Precision::Bf16Products => DType::F32,
             Precision::Bf16 => DType::BF16,
         }
     }
@@ -51,7 +55,8 @@ impl std::str::FromStr for Precision {
             "f32" | "fp32" => Ok(Precision::F32),
             "f16" | "fp16" => Ok(Precision::F16),
             "bf16" => Ok(Precision::Bf16),
-            other => Err(format!("unknown precision {other:?}; use auto, f32, f16 or bf16")),
+            "bf16-products" => Ok(Precision::Bf16Products),
+            other => Err(format!("unknown precision {other:?}; use auto, f32, f16, bf16 or bf16-products")),
         }
     }
 }
@@ -63,6 +68,7 @@ impl std::fmt::Display for Precision {
             Precision::F32 => "f32",
             Precision::F16 => "f16",
             Precision::Bf16 => "bf16",
+            Precision::Bf16Products => "bf16-products",
         })
     }
 }
@@ -75,7 +81,8 @@ mod tests {
     fn auto_is_f32_on_the_cpu_and_names_parse() {
         assert_eq!(Precision::Auto.dtype(&Device::Cpu), DType::F32);
         assert_eq!(Precision::Bf16.dtype(&Device::Cpu), DType::BF16);
-        for p in [Precision::Auto, Precision::F32, Precision::F16, Precision::Bf16] {
+        assert_eq!(Precision::Bf16Products.dtype(&Device::Cpu), DType::F32);
+        for p in [Precision::Auto, Precision::F32, Precision::F16, Precision::Bf16, Precision::Bf16Products] {
             assert_eq!(p.to_string().parse::<Precision>(), Ok(p));
         }
         assert!("f8".parse::<Precision>().is_err());

@@ -33,8 +33,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn cosine_matches_the_reference_value() {
     let Some(dir) = model_dir() else { return };
-    // `Auto` takes BF16 products on a CPU with AVX-512 BF16; `F32` never does.
-    for precision in [Precision::Auto, Precision::F32] {
+    // `Bf16Products` takes BF16 products on a CPU with AVX-512 BF16; `Auto` and `F32` never do.
+    for precision in [Precision::Auto, Precision::Bf16Products, Precision::F32] {
         let model = Embedder::load_in(&dir, &Device::Cpu, precision).unwrap();
         let v = model.embed(&["A man is eating food.", "A man is eating a piece of bread."]).unwrap();
         assert_eq!(v[0].len(), 384);

@@ -61,8 +61,9 @@ struct Reference {
 }
 
 /// Runs the reference over every recording (transcripts by `models`, greedy and with `beam`
-/// if not 0), or `None` (skipped) where it or the models are missing.
-fn reference(models: &[&str], beam: usize) -> Option<(PathBuf, Vec<(String, PathBuf)>, Reference)> {
+/// if not 0, and with `defaults` faster-whisper's own defaults with and without [`PROMPT`]),
+/// or `None` (skipped) where it or the models are missing.
+fn reference_runs(models: &[&str], beam: usize, defaults: bool) -> Option<(PathBuf, Vec<(String, PathBuf)>, Reference)> {
     let dir = models_dir();
     let python = reference_python();
     let needed: Vec<PathBuf> = models.iter().map(|m| dir.join(m).join("model.bin")).chain([dir.join("whisper-tiny.en/model.bin")]).collect();
@@ -86,6 +87,9 @@ fn reference(models: &[&str], beam: usize) -> Option<(PathBuf, Vec<(String, Path
     if beam > 0 {
         cmd.arg("--beam").arg(beam.to_string());
     }
+    if defaults {
+        cmd.arg("--defaults").arg("--prompt").arg(PROMPT);
+    }
     cmd.args(clips.iter().map(|(_, p)| p));
     let status = cmd.status().expect("running the reference");
     assert!(status.success(), "the reference failed: {status}");
@@ -93,6 +97,13 @@ fn reference(models: &[&str], beam: usize) -> Option<(PathBuf, Vec<(String, Path
     eprintln!("reference: faster-whisper {} (ctranslate2 {}), numpy {}", json["faster_whisper"], json["ctranslate2"], json["numpy"]);
     Some((dir, clips, Reference { dir: out, json }))
 }
+
+fn reference(models: &[&str], beam: usize) -> Option<(PathBuf, Vec<(String, PathBuf)>, Reference)> {
+    reference_runs(models, beam, false)
+}
+
+/// The prompt of the runs with one: names, as users give them.
+const PROMPT: &str = "Names: Ann Bob";
 
 fn read_f32(path: &Path) -> Vec<f32> {
     std::fs::read(path).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
@@ -158,20 +169,49 @@ fn differing(model: &str, precision: Precision, language: Option<&str>, beam: us
     let mut whisper = Whisper::load_ct2_in(&dir.join(model), &Device::Cpu, precision).unwrap();
     let opts = TranscribeOptions { language: language.map(str::to_string), beam_size: beam.max(1), ..greedy() };
     let run = if beam > 1 { format!("beam{beam}") } else { "greedy".to_string() };
-    let theirs: BTreeMap<String, String> = serde_json::from_value(reference.json["transcripts"][model][&run].clone()).unwrap();
+    Some(compare(&mut whisper, model, &clips, &reference, &run, &opts))
+}
+
+/// tern's transcripts of every recording with `opts` against faster-whisper's `run`; the
+/// names of those that differ.
+fn compare(whisper: &mut Whisper, model: &str, clips: &[(String, PathBuf)], reference: &Reference, run: &str, opts: &TranscribeOptions) -> Vec<String> {
+    let theirs: BTreeMap<String, String> = serde_json::from_value(reference.json["transcripts"][model][run].clone()).unwrap();
     let mut differ = Vec::new();
-    for (name, path) in &clips {
+    for (name, path) in clips {
         let pcm = decode_mono_16k(&std::fs::read(path).unwrap()).unwrap();
-        let ours = normalised(&whisper.transcribe(&pcm, &opts, &mut |_, _| {}).unwrap().text);
+        let ours = normalised(&whisper.transcribe(&pcm, opts, &mut |_, _| {}).unwrap().text);
         let expected = normalised(&theirs[name]);
         if ours == expected {
-            eprintln!("{model} {precision:?} {name}: {ours:?}");
+            eprintln!("{model} {run} {name}: {ours:?}");
         } else {
-            eprintln!("{model} {precision:?} {name}: DIFFERS\n  tern:           {ours:?}\n  faster-whisper: {expected:?}");
+            eprintln!("{model} {run} {name}: DIFFERS\n  tern:           {ours:?}\n  faster-whisper: {expected:?}");
             differ.push(name.clone());
         }
     }
-    Some(differ)
+    differ
+}
+
+/// What the worker computes by default (`TranscribeOptions::default()`: full padding, beam 5,
+/// the temperature fallback; the default precision, F32 on the CPU) against faster-whisper's
+/// own defaults, on every recording, with and without a prompt, and greedy with the prompt.
+/// Trimmed padding was the default before 2026-11-27: it wrote other words, and with the
+/// prompt tern repeated the "go forward" phrase where faster-whisper wrote it once.
+#[test]
+fn transcripts_under_the_workers_defaults_equal_faster_whispers_with_and_without_a_prompt() {
+    let model = "whisper-tiny.en";
+    let Some((dir, clips, reference)) = reference_runs(&[model], 0, true) else { return };
+    let mut whisper = Whisper::load_ct2_in(&dir.join(model), &Device::Cpu, Precision::Auto).unwrap();
+    let prompted = |opts: TranscribeOptions| TranscribeOptions { prompt: Some(PROMPT.into()), ..opts };
+    let runs = [
+        ("defaults", TranscribeOptions::default()),
+        ("defaults_prompt", prompted(TranscribeOptions::default())),
+        ("greedy_prompt", prompted(greedy())),
+    ];
+    let mut differ = Vec::new();
+    for (run, opts) in &runs {
+        differ.extend(compare(&mut whisper, model, &clips, &reference, run, opts).into_iter().map(|name| format!("{run} {name}")));
+    }
+    assert!(differ.is_empty(), "transcripts differ from faster-whisper's on {differ:?}");
 }
 
 #[test]
@@ -229,7 +269,7 @@ fn bf16_transcripts_of_tiny_en_and_base_equal_faster_whispers_but_for_named_few(
     assert!(unexpected.is_empty(), "BF16 transcripts differ from faster-whisper's on {unexpected:?}");
 }
 
-/// With BF16 products (`Precision::Auto` on a CPU with AVX-512 BF16 or AMX: the decoder's and
+/// With BF16 products (`Precision::Bf16Products` on a CPU with AVX-512 BF16 or AMX: the decoder's and
 /// encoder's products in BF16, accumulated in F32) the greedy transcripts of tiny.en and base
 /// stay faster-whisper's (F32) but for these (model, recording), close calls between tokens
 /// that rounding tips:
@@ -247,7 +287,7 @@ fn bf16_products_transcripts_of_tiny_en_and_base_equal_faster_whispers_but_for_n
         return;
     };
     eprintln!("BF16 products on {kernel}");
-    let Some(unexpected) = unexpected_in(Precision::Auto, BF16_PRODUCTS_DIFFER) else { return };
+    let Some(unexpected) = unexpected_in(Precision::Bf16Products, BF16_PRODUCTS_DIFFER) else { return };
     assert!(unexpected.is_empty(), "transcripts differ from faster-whisper's on {unexpected:?} ({kernel})");
 }
 

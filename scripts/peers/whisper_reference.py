@@ -11,6 +11,9 @@ For each WAV given (16-bit, 16 kHz, mono), writes under OUT:
 and OUT/reference.json with the versions, each recording's sample and content-frame counts, and
 its transcript by faster-whisper for each --model (a folder under --models; English): greedy (beam_size=1, temperature=0, timestamps on,
 no VAD, compute_type float32), and with --beam N also beam search of width N (its default 5).
+With --defaults also: `defaults` (faster-whisper's own defaults: beam 5, the temperature
+fallback, no VAD), `defaults_prompt` (the same with initial_prompt PROMPT) and `greedy_prompt`
+(greedy with initial_prompt PROMPT), PROMPT being --prompt (default "Names: Ann Bob").
 
 Set-up: scripts/services.sh faster-whisper (a venv with faster-whisper from PyPI, no torch).
 Run:    $TERN_STATE_DIR/faster-whisper/venv/bin/python scripts/peers/whisper_reference.py \
@@ -55,6 +58,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", action="append", default=[])
     ap.add_argument("--beam", type=int, default=0)
+    ap.add_argument("--defaults", action="store_true")
+    ap.add_argument("--prompt", default="Names: Ann Bob")
     ap.add_argument("wavs", nargs="+")
     args = ap.parse_args()
     os.makedirs(os.path.join(args.out, "features"), exist_ok=True)
@@ -80,6 +85,10 @@ def main():
         runs = {"greedy": dict(beam_size=1, temperature=0.0)}
         if args.beam:
             runs[f"beam{args.beam}"] = dict(beam_size=args.beam, temperature=0.0)
+        if args.defaults:
+            runs["defaults"] = dict()
+            runs["defaults_prompt"] = dict(initial_prompt=args.prompt)
+            runs["greedy_prompt"] = dict(beam_size=1, temperature=0.0, initial_prompt=args.prompt)
         result = {}
         for run, opts in runs.items():
             texts = {}

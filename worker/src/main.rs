@@ -76,9 +76,11 @@ struct Cli {
     #[arg(long, env = "TERN_GENERATE_BATCH_TOKENS", default_value_t = 4096)]
     generate_batch_tokens: usize,
     /// How much of the silence padding a Whisper window shorter than 30 s the encoder runs:
-    /// `full` (as Whisper was trained), or the audio plus this many seconds (at least 0.5).
-    /// Default 2: a 6 s clip costs about a quarter of a full encoder pass.
-    #[arg(long, env = "TERN_WHISPER_PADDING", default_value = "2")]
+    /// `full` (the default: as Whisper was trained, and as faster-whisper and OpenAI's
+    /// reference compute it), or the audio plus this many seconds (at least 0.5): a 6 s clip
+    /// then costs about a quarter of a full encoder pass, at the word error rates
+    /// docs/benchmarks.md measures (tiny.en: 7.0% on the LibriVox clips at 2 s, against 4.2%).
+    #[arg(long, env = "TERN_WHISPER_PADDING", default_value = "full")]
     whisper_padding: tern_models::whisper::Padding,
     /// Beam size of transcriptions whose input names none: 5 (faster-whisper's default) or
     /// 1 to 16; 1 decodes greedily, several times faster on a CPU.

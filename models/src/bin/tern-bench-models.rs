@@ -42,8 +42,8 @@ struct Args {
     /// Device: `cpu`, `cuda[:N]` or `metal[:N]` (GPUs need the matching cargo feature).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Precision of Whisper: auto (F32 on the CPU, with BF16 products where the CPU has AVX-512
-    /// BF16; F16 on a GPU), f32, f16 or bf16.
+    /// Precision of Whisper: auto (F32 on the CPU, F16 on a GPU), f32, f16, bf16 or
+    /// bf16-products (F32 with BF16 products where the CPU has AVX-512 BF16 or AMX).
     #[arg(long, default_value = "auto")]
     precision: Precision,
     /// Sections to run, comma-separated: transcribe, audio-embed, embed, generate,
@@ -62,9 +62,9 @@ struct Args {
     /// Length of the long recording, seconds.
     #[arg(long, default_value_t = 120.0)]
     long_seconds: f64,
-    /// Whisper padding of short windows: `full` or seconds kept after the audio (the worker's
-    /// default, 2).
-    #[arg(long, default_value = "2")]
+    /// Whisper padding of short windows: `full` (the worker's default) or seconds kept after
+    /// the audio.
+    #[arg(long, default_value = "full")]
     padding: Padding,
     /// Whisper beam size: 1 decodes greedily; 5 (the default) is the worker's and
     /// faster-whisper's default.
@@ -154,7 +154,7 @@ fn main() -> Result<()> {
     let dir = expand_home(&args.models_dir);
     let device = parse_device(&args.device)?;
     let bf16 = match Precision::cpu_bf16_kernel() {
-        Some(kernel) if args.device == "cpu" && args.precision == Precision::Auto => format!(" (BF16 products on {kernel})"),
+        Some(kernel) if args.device == "cpu" && args.precision == Precision::Bf16Products => format!(" (BF16 products on {kernel})"),
         _ => String::new(),
     };
     println!("tern-bench-models: device {}, precision {}{bf16}", args.device, args.precision);

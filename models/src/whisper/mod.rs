@@ -61,8 +61,9 @@ pub struct TranscribeOptions {
     /// Predict timestamp tokens so each window splits into timed segments. Default `true`. When
     /// `false`, each window becomes one segment spanning the window.
     pub timestamps: bool,
-    /// How much of a short window's padding the encoder runs over. Default
-    /// [`Padding::DEFAULT_TRIMMED`].
+    /// How much of a short window's padding the encoder runs over. Default [`Padding::Full`],
+    /// what the reference computes; [`Padding::DEFAULT_TRIMMED`] is faster and writes other
+    /// words (docs/benchmarks.md, "Padding: what trimming costs").
     pub padding: Padding,
     /// Text that conditions every window (names, spellings, style), fed before its SOT as
     /// `<|startofprev|>` and the prompt's last 223 tokens, as OpenAI's `initial_prompt`. Windows
@@ -91,14 +92,14 @@ pub struct TranscribeOptions {
 }
 
 impl Default for TranscribeOptions {
-    /// Auto language, transcribe, timestamps on, padding trimmed to 2 s, beam search of 5 with
-    /// fallback.
+    /// Auto language, transcribe, timestamps on, full padding, beam search of 5 with fallback:
+    /// faster-whisper's defaults.
     fn default() -> Self {
         TranscribeOptions {
             language: None,
             task: Task::Transcribe,
             timestamps: true,
-            padding: Padding::DEFAULT_TRIMMED,
+            padding: Padding::Full,
             prompt: None,
             temperature: 0.0,
             beam_size: DEFAULT_BEAM_SIZE,
@@ -233,7 +234,7 @@ pub enum Padding {
 }
 
 impl Padding {
-    /// Trimmed with a 2 s margin.
+    /// Trimmed with a 2 s margin: the trimmed padding measured in docs/benchmarks.md.
     pub const DEFAULT_TRIMMED: Padding = Padding::Trimmed { margin_seconds: 2.0 };
 }
 
@@ -508,9 +509,9 @@ impl Whisper {
             weights_bytes
         };
         let vb = VarBuilder::from_tensors(tensors, dtype, device);
-        // `Auto` on the CPU lets the products run in BF16 where the CPU has them; an explicit
-        // `F32` keeps every product in F32.
-        let bf16_products = device.is_cpu() && dtype == DType::F32 && precision == Precision::Auto;
+        // Products in BF16 where the CPU has them only when chosen (`Bf16Products`): they tip
+        // close calls, and the default computes what the reference does.
+        let bf16_products = device.is_cpu() && dtype == DType::F32 && precision == Precision::Bf16Products;
         let decoder = decoder::Decoder::load(vb.pp("model.decoder"), &config, embeddings_in_f16, bf16_products)
             .context("building the whisper decoder")?;
         let encoder = encoder::Encoder::load(vb.pp("model.encoder"), &config, bf16_products)

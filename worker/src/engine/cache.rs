@@ -290,8 +290,8 @@ fn estimate_bytes(family: Family, dir: &Path, whisper_dtype: candle_core::DType)
 fn load(family: Family, dir: &Path, device: &Device, precision: Precision) -> anyhow::Result<Model> {
     Ok(match family {
         Family::Whisper => Model::Whisper(Whisper::load_ct2_in(dir, device, precision)?),
-        // Half precision on the CPU is for Whisper only: candle's CPU kernels are slow at it
-        // and the embedder's BF16 products (under `Auto`) are the fast path there.
+        // Half precision on the CPU is for Whisper only: candle's CPU kernels are slow at it,
+        // and the embedder's fast path there is F32 (with BF16 products when chosen).
         Family::Embedder if device.is_cpu() && matches!(precision, Precision::F16 | Precision::Bf16) => {
             Model::Embedder(Embedder::load_in(dir, device, Precision::Auto)?)
         }
