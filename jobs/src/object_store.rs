@@ -200,6 +200,20 @@ impl ObjectStore {
         }
     }
 
+    /// Keys under `prefix` (without the deployment's prefix), at most the first 1,000: for
+    /// checks that a prefix holds nothing it should not.
+    pub async fn keys(&self, prefix: &str) -> Result<Vec<String>> {
+        let listed = self
+            .client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(self.full_key(prefix))
+            .send()
+            .await
+            .map_err(|e| s3_err(aws_sdk_s3::error::DisplayErrorContext(e)))?;
+        Ok(listed.contents().iter().filter_map(|o| o.key()).map(|k| k.strip_prefix(&self.key_prefix).unwrap_or(k).to_string()).collect())
+    }
+
     /// Removes the object; removing one that is not there is no error.
     pub async fn delete(&self, key: &str) -> Result<()> {
         self.client
@@ -252,7 +266,14 @@ impl ObjectWriter {
     /// Bytes buffered before a part is sent: 8 MiB (S3's parts are at least 5 MiB but the last).
     pub const PART_BYTES: usize = 8 * 1024 * 1024;
 
+    /// Adds `bytes`; once a part's worth is buffered, sends it (and waits for it), so a
+    /// writer holds about one part whatever the object's size.
     pub async fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        if self.buffer.capacity() == 0 {
+            // One allocation a part: grown by doubling, a part's buffer peaked at three times
+            // its size while its contents were copied over.
+            self.buffer.reserve_exact(Self::PART_BYTES + bytes.len());
+        }
         self.buffer.extend_from_slice(bytes);
         self.sha256.update(bytes);
         self.size += bytes.len() as i64;

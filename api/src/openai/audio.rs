@@ -1,16 +1,18 @@
 //! `POST /v1/audio/transcriptions` and `/v1/audio/translations`: multipart audio of any length
 //! the transcribe kind accepts (`TERN_MAX_AUDIO_SECONDS`, `TERN_MAX_AUDIO_UPLOAD_BYTES`), not
-//! OpenAI's 25 MB. The file is stored as an upload, then transcribed as a `transcribe` job.
+//! OpenAI's 25 MB. The file streams into storage as an upload as it arrives (a request holds
+//! one part of it at a time, never the whole), then is transcribed as a `transcribe` job.
 
 use super::{sse_data, OpenAiError, Waited};
 use crate::auth::Caller;
 use crate::state::AppState;
+use crate::error::ApiError;
+use axum::extract::multipart::MultipartRejection;
 use axum::extract::{Multipart, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tern_jobs::file_ref::UPLOAD_PREFIX;
@@ -193,62 +195,139 @@ enum Answer {
     Plain(String, &'static str),
 }
 
-/// Reads the multipart form: the file and the options.
-async fn read(form: Multipart, task: &'static str) -> Result<(Transcription, Bytes), OpenAiError> {
-    let mut request = Transcription::new(task);
-    let file = read_form(form, |name, value| request.set(name, value)).await?;
-    Ok((request.check()?, file))
+/// An audio file streamed from a form into object storage as an upload, and its SHA-256.
+pub struct StoredUpload {
+    pub key: String,
+    pub sha256: String,
 }
 
-/// Reads a multipart form of an audio `file` and options, each option handed to `set`; the
-/// non-empty file. The whole form is read before a bad option is refused: answering with the
-/// upload still unread makes the server close the connection, which a client may be reusing.
-async fn read_form(mut form: Multipart, mut set: impl FnMut(&str, String) -> Result<(), OpenAiError>) -> Result<Bytes, OpenAiError> {
+/// Reads the multipart form: the file (streamed to storage) and the options.
+async fn read(state: &AppState, tenant: &str, form: Result<Multipart, MultipartRejection>, task: &'static str) -> Result<(Transcription, StoredUpload), OpenAiError> {
+    let mut request = Transcription::new(task);
+    let file = read_form(state, tenant, form, |name, value| request.set(name, value)).await?;
+    match request.check() {
+        Ok(request) => Ok((request, file)),
+        Err(e) => {
+            discard(state, &file).await;
+            Err(e)
+        }
+    }
+}
+
+/// Removes an upload no job will read (a refused request's, or a replayed one's).
+async fn discard(state: &AppState, upload: &StoredUpload) {
+    if let Err(e) = state.objects.delete(&upload.key).await {
+        tracing::warn!(key = %upload.key, error = %e, "could not remove an unused upload; it stays until removed");
+    }
+}
+
+/// Reads a multipart form of an audio `file` and options, each option handed to `set`. The
+/// file goes to object storage as it arrives, a part at a time (the request never holds it
+/// whole), under a new upload key of `tenant`'s; it must not be empty. The whole form is read
+/// before a bad option is refused: answering with the upload still unread makes the server
+/// close the connection, which a client may be reusing. A refused form leaves no upload.
+async fn read_form(
+    state: &AppState,
+    tenant: &str,
+    form: Result<Multipart, MultipartRejection>,
+    mut set: impl FnMut(&str, String) -> Result<(), OpenAiError>,
+) -> Result<StoredUpload, OpenAiError> {
+    // axum's own rejection (no multipart content type, no boundary) answers in plain text.
+    let mut form = form.map_err(|e| OpenAiError { status: e.status(), code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None })?;
     let bad_form = |e: axum::extract::multipart::MultipartError| {
         let status = e.status();
         OpenAiError { status, code: "invalid_multipart".into(), message: format!("the multipart form: {}", e.body_text()), param: None }
     };
-    let mut file = None;
-    let mut refused = None;
-    while let Some(field) = form.next_field().await.map_err(bad_form)? {
-        let name = field.name().unwrap_or_default().to_string();
-        if name == "file" {
-            file = Some(field.bytes().await.map_err(bad_form)?);
-            continue;
+    let (mut file, mut refused) = (None::<(StoredUpload, u64)>, None);
+    let read = async {
+        while let Some(mut field) = form.next_field().await.map_err(bad_form)? {
+            let name = field.name().unwrap_or_default().to_string();
+            if name == "file" && file.is_none() {
+                let key = format!("{UPLOAD_PREFIX}{}/{}", crate::routes::uploads::tenant_segment(tenant), Uuid::now_v7());
+                let mut writer = state.objects.writer(&key, "application/octet-stream");
+                // Known to storage from here: a failure below removes it.
+                file = Some((StoredUpload { key, sha256: String::new() }, 0));
+                while let Some(chunk) = field.chunk().await.map_err(bad_form)? {
+                    writer.write(&chunk).await.map_err(ApiError::from)?;
+                }
+                let stored = writer.finish().await.map_err(ApiError::from)?;
+                if let Some((upload, bytes)) = file.as_mut() {
+                    upload.sha256 = stored.sha256;
+                    *bytes = stored.size.max(0) as u64;
+                }
+                continue;
+            }
+            let value = field.text().await.map_err(bad_form)?;
+            let checked = match value.contains('\0') {
+                // Postgres cannot store a NUL: refused as POST /v1/jobs refuses one.
+                true => Err(OpenAiError { status: StatusCode::BAD_REQUEST, code: "invalid_character".into(), message: format!("the field {name:?} contains a NUL character (\\u0000), which tern cannot store"), param: None }),
+                false => set(&name, value),
+            };
+            if let (Err(e), None) = (checked, &refused) {
+                refused = Some(e);
+            }
         }
-        let value = field.text().await.map_err(bad_form)?;
-        if let (Err(e), None) = (set(&name, value), &refused) {
-            refused = Some(e);
+        Ok::<(), OpenAiError>(())
+    }
+    .await;
+    let problem = match (read, refused, &file) {
+        (Err(e), _, _) | (Ok(()), Some(e), _) => Some(e),
+        (Ok(()), None, Some((_, 0)) | None) => Some(OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file")),
+        (Ok(()), None, Some(_)) => None,
+    };
+    match (problem, file) {
+        (None, Some((upload, _))) => Ok(upload),
+        (Some(e), Some((upload, _))) => {
+            discard(state, &upload).await;
+            Err(e)
+        }
+        (Some(e), None) => Err(e),
+        (None, None) => unreachable!("a form without a file is refused above"),
+    }
+}
+
+/// Submits `value`, a job reading `upload` as its `input.audio`. With an `Idempotency-Key`,
+/// the request is told from another by its file's content, not by the upload key each try
+/// mints: a retry of the same form gets the first job (and its own copy of the file goes); a
+/// different file under the same key gets 409. A refused request leaves no upload behind.
+async fn submit_upload(state: &AppState, tenant: &str, value: Value, headers: &HeaderMap, upload: &StoredUpload) -> Result<Waited, OpenAiError> {
+    let mut canonical = value.clone();
+    canonical["input"]["audio"] = json!({ "upload_sha256": upload.sha256 });
+    match Waited::submit_as(state, tenant, value, headers, Some(&canonical)).await {
+        Ok(waited) => {
+            if !waited.owned() {
+                discard(state, upload).await;
+            }
+            Ok(waited)
+        }
+        Err(e) => {
+            discard(state, upload).await;
+            Err(e)
         }
     }
-    if let Some(e) = refused {
-        return Err(e);
-    }
-    file.filter(|f| !f.is_empty()).ok_or_else(|| OpenAiError::invalid("invalid_file", "the form needs a non-empty \"file\"", "file"))
 }
 
 /// Transcribe audio.
-pub async fn transcriptions(state: State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart) -> Result<Response, OpenAiError> {
+pub async fn transcriptions(state: State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>) -> Result<Response, OpenAiError> {
     run(state, caller, headers, form, "transcribe").await
 }
 
 /// Translate audio into English text.
-pub async fn translations(state: State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart) -> Result<Response, OpenAiError> {
+pub async fn translations(state: State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>) -> Result<Response, OpenAiError> {
     run(state, caller, headers, form, "translate").await
 }
 
-async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart, task: &'static str) -> Result<Response, OpenAiError> {
+async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>, task: &'static str) -> Result<Response, OpenAiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
-    let (request, file) = read(form, task).await?;
-    let key = format!("{UPLOAD_PREFIX}{}/{}", crate::routes::uploads::tenant_segment(&tenant), Uuid::now_v7());
-    state.objects.put(&key, file, "application/octet-stream").await.map_err(crate::error::ApiError::from)?;
-    let mut waited = Waited::submit(&state, &tenant, request.job_request(json!({ "upload_key": key })), &headers).await?;
+    let (request, upload) = read(&state, &tenant, form, task).await?;
+    let value = request.job_request(json!({ "upload_key": upload.key }));
+    let mut waited = submit_upload(&state, &tenant, value, &headers, &upload).await?;
     let job_header = waited.header();
     if request.stream {
         // The transcript comes as the worker finishes windows (the text of the leading ones
         // done); comments keep the connection open meanwhile. Dropped early (the client left),
         // the stream drops `waited`, which cancels the job.
-        let live = Live { state, waited, sent: 0, done: false };
+        let live = Live { state, waited, sent: 0, attempt: None, done: false };
         let events = futures::stream::unfold(live, |mut live| async move {
             if live.done {
                 return None;
@@ -342,6 +421,8 @@ struct Live {
     waited: Waited,
     /// Bytes of the text sent so far.
     sent: usize,
+    /// The attempt whose text was sent, once some was.
+    attempt: Option<i32>,
     done: bool,
 }
 
@@ -352,10 +433,15 @@ impl Live {
 
     async fn next_events(&mut self) -> Vec<axum::response::sse::Event> {
         loop {
+            // The text before the job: text of a later attempt is then seen with its attempt.
+            let progress = self.state.queue.progress(self.waited.kind(), self.waited.id).await.ok().flatten();
             let job = match self.waited.job().await {
                 Ok(job) => job,
                 Err(e) => return self.fail(e),
             };
+            if let Some(e) = super::retried_since(self.attempt, &job) {
+                return self.fail(e);
+            }
             if job.state.is_terminal() {
                 let output = match self.waited.output(&job).await {
                     Ok(output) => output,
@@ -369,10 +455,10 @@ impl Live {
                 events.push(sse_data(&json!({ "type": "transcript.text.done", "text": text, "usage": usage(&output) })));
                 return events;
             }
-            let progress = self.state.queue.progress(job.kind, job.id).await.ok().flatten();
             if let Some(text) = progress.and_then(|p| p.text) {
                 if let Some(delta) = text.get(self.sent..).filter(|d| !d.is_empty()) {
                     self.sent = text.len();
+                    self.attempt = Some(job.attempts);
                     return vec![Self::delta(delta)];
                 }
             }
@@ -484,10 +570,10 @@ mod tests {
 /// endian f32) and `windows` (`true` adds each 30 s window's vector after the recording's, with
 /// its `start` and `end` in seconds). Runs an `audio_embed` job; OpenAI's embeddings list, with
 /// the recording's vector at index 0 and usage in seconds of audio as for transcriptions.
-pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Multipart) -> Result<Response, OpenAiError> {
+pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>) -> Result<Response, OpenAiError> {
     let tenant = caller.require("jobs:write")?.tenant.clone();
     let (mut base64, mut windows) = (false, false);
-    let file = read_form(form, |name, value| {
+    let upload = read_form(&state, &tenant, form, |name, value| {
         match (name, value.as_str()) {
             ("encoding_format", "float" | "base64") => base64 = value == "base64",
             ("encoding_format", other) => {
@@ -502,10 +588,8 @@ pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: 
         Ok(())
     })
     .await?;
-    let key = format!("{UPLOAD_PREFIX}{}/{}", crate::routes::uploads::tenant_segment(&tenant), Uuid::now_v7());
-    state.objects.put(&key, file, "application/octet-stream").await.map_err(crate::error::ApiError::from)?;
-    let job = json!({ "kind": "audio_embed", "input": { "audio": { "upload_key": key }, "windows": windows } });
-    let mut waited = Waited::submit(&state, &tenant, job, &headers).await?;
+    let job = json!({ "kind": "audio_embed", "input": { "audio": { "upload_key": upload.key }, "windows": windows } });
+    let mut waited = submit_upload(&state, &tenant, job, &headers, &upload).await?;
     let job_header = waited.header();
     let job = waited.finished().await?;
     let output = waited.output(&job).await?;

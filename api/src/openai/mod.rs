@@ -151,6 +151,7 @@ pub(crate) fn priority(headers: &HeaderMap) -> Result<Option<String>, OpenAiErro
 pub struct Waited {
     state: AppState,
     pub id: Uuid,
+    kind: tern_jobs::JobKind,
     /// Only a job this request made is canceled with it, not one an idempotency key replayed.
     owned: bool,
     finished: bool,
@@ -159,14 +160,40 @@ pub struct Waited {
 impl Waited {
     /// Submits the job request `value` (`POST /v1/jobs`'s body) for `tenant`, with the
     /// priority `headers` ask for and their `Idempotency-Key`.
-    pub async fn submit(state: &AppState, tenant: &str, mut value: Value, headers: &HeaderMap) -> Result<Waited, OpenAiError> {
-        if let Some(p) = priority(headers)? {
+    pub async fn submit(state: &AppState, tenant: &str, value: Value, headers: &HeaderMap) -> Result<Waited, OpenAiError> {
+        Self::submit_as(state, tenant, value, headers, None).await
+    }
+
+    /// [`Self::submit`], an `Idempotency-Key` telling replays from other requests by
+    /// `canonical` rather than by `value` (where `value` names something each try makes anew,
+    /// such as an upload's key).
+    pub async fn submit_as(state: &AppState, tenant: &str, mut value: Value, headers: &HeaderMap, canonical: Option<&Value>) -> Result<Waited, OpenAiError> {
+        let priority = priority(headers)?;
+        if let Some(p) = &priority {
             value["priority"] = json!(p);
         }
+        let canonical = canonical.map(|c| {
+            let mut c = c.clone();
+            if let Some(p) = &priority {
+                c["priority"] = json!(p);
+            }
+            crate::submission::fingerprint(&c)
+        });
         let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
-        let created = jobs::create(state, tenant, &value, key).await?;
+        let created = jobs::create_as(state, tenant, &value, key, canonical).await?;
         let owned = matches!(created, Created::New(_));
-        Ok(Waited { state: state.clone(), id: created.job().id, owned, finished: false })
+        let job = created.job();
+        Ok(Waited { state: state.clone(), id: job.id, kind: job.kind, owned, finished: false })
+    }
+
+    /// The job's kind.
+    pub fn kind(&self) -> tern_jobs::JobKind {
+        self.kind
+    }
+
+    /// Whether this request made the job (not an `Idempotency-Key` replay of an earlier one).
+    pub fn owned(&self) -> bool {
+        self.owned
     }
 
     /// The job now. Once it is seen final, dropping `self` no longer cancels it.
@@ -199,6 +226,18 @@ impl Waited {
     pub fn header(&self) -> (header::HeaderName, HeaderValue) {
         (header::HeaderName::from_static("x-tern-job-id"), HeaderValue::from_str(&self.id.to_string()).expect("a uuid"))
     }
+}
+
+/// A stream that sent text of attempt `sent_attempt` (where it sent any) ends with this error
+/// once `job` is on another attempt: OpenAI's streams only grow, so the new attempt's text,
+/// generated anew, cannot follow what the client already holds (it would splice the two).
+pub fn retried_since(sent_attempt: Option<i32>, job: &tern_jobs::Job) -> Option<OpenAiError> {
+    sent_attempt.filter(|&a| a != job.attempts).map(|_| OpenAiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        code: "job_retried".into(),
+        message: "the job was retried after part of its text was sent; its new attempt's text starts over: ask again".into(),
+        param: None,
+    })
 }
 
 impl Drop for Waited {

@@ -211,7 +211,16 @@ impl Created {
 /// `POST /v1/jobs` takes it; the OpenAI-compatible routes come in here too. `header_key` is
 /// the `Idempotency-Key` header.
 pub async fn create(state: &AppState, tenant: &str, value: &Value, header_key: Option<&str>) -> Result<Created, ApiError> {
+    create_as(state, tenant, value, header_key, None).await
+}
+
+/// [`create`], with `fingerprint` (when given) telling an idempotent replay from another
+/// request in place of the fingerprint of `value`.
+pub async fn create_as(state: &AppState, tenant: &str, value: &Value, header_key: Option<&str>, fingerprint: Option<String>) -> Result<Created, ApiError> {
     let Submission { mut job } = submission::parse(value, header_key)?;
+    if job.idempotency_key.is_some() && fingerprint.is_some() {
+        job.request_sha256 = fingerprint;
+    }
     job.tenant = tenant.to_string();
     submission::check_upload_tenant(&job, tenant)?;
     if let Some(existing) = replayed(state, &job).await? {
