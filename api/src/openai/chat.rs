@@ -215,7 +215,7 @@ async fn complete(
     let mut waited = Waited::submit(&state, &tenant, request.job_request(), &headers).await?;
     let job_header = waited.header();
     if request.stream {
-        let streamed = Streamed { state: state.clone(), waited, flavour, model: request.model, sent: 0, include_usage: request.include_usage, done: false };
+        let streamed = Streamed { state: state.clone(), waited, flavour, model: request.model, sent: 0, attempt: None, include_usage: request.include_usage, done: false };
         let events = futures::stream::unfold(streamed, |mut s| async move {
             if s.done {
                 return None;
@@ -246,6 +246,8 @@ struct Streamed {
     model: Value,
     /// Bytes of text sent so far.
     sent: usize,
+    /// The attempt whose text was sent, once some was.
+    attempt: Option<i32>,
     include_usage: bool,
     done: bool,
 }
@@ -274,10 +276,15 @@ impl Streamed {
     /// The next events: new text as it comes, or the end of the stream.
     async fn next_events(&mut self) -> Vec<Event> {
         loop {
+            // The text before the job: text of a later attempt is then seen with its attempt.
+            let progress = self.state.queue.progress(self.waited.kind(), self.waited.id).await.ok().flatten();
             let job = match self.waited.job().await {
                 Ok(job) => job,
                 Err(e) => return self.fail(e),
             };
+            if let Some(e) = super::retried_since(self.attempt, &job) {
+                return self.fail(e);
+            }
             let created = job.created_at.timestamp();
             if job.state.is_terminal() {
                 let output = match self.waited.output(&job).await {
@@ -304,12 +311,12 @@ impl Streamed {
                 self.done = true;
                 return events;
             }
-            let progress = self.state.queue.progress(job.kind, job.id).await.ok().flatten();
             if let Some(text) = progress.and_then(|p| p.text) {
                 // Only whole characters: the worker's text is UTF-8 and grows at its end.
                 if let Some(delta) = text.get(self.sent..).filter(|d| !d.is_empty()) {
                     let first = self.sent == 0;
                     self.sent = text.len();
+                    self.attempt = Some(job.attempts);
                     return vec![self.chunk(created, &self.model, Some(delta), Value::Null, first)];
                 }
             }
