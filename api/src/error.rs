@@ -46,6 +46,15 @@ impl From<tern_jobs::Error> for ApiError {
         if let tern_jobs::Error::IdempotencyConflict(_) = &e {
             return ApiError::new(StatusCode::CONFLICT, "idempotency_conflict", e.to_string());
         }
+        // Postgres refusing a value (SQLSTATE class 22, data exception: a NUL it cannot store,
+        // a number out of range) is the request's fault, not an outage: retrying cannot help.
+        if let tern_jobs::Error::Database(sqlx::Error::Database(db)) = &e {
+            if let Some(code) = db.code().filter(|c| c.starts_with("22")) {
+                tracing::info!(sqlstate = %code, error = %db.message(), "the database refused a value of a request");
+                let api_code = if code == "22P05" || code == "22021" { "invalid_character" } else { "invalid_request" };
+                return ApiError::bad_request(api_code, format!("the database refused a value of this request: {}", db.message()));
+            }
+        }
         tracing::error!(error = %e, "request failed on a backing service");
         let (code, message) = match &e {
             tern_jobs::Error::Database(_) => {

@@ -250,6 +250,7 @@ async fn main() -> anyhow::Result<()> {
             owner: format!("api-{}", uuid::Uuid::now_v7()),
             poll: Duration::from_millis(args.batch_poll_ms.max(10)),
             claim: Duration::from_millis(args.batch_claim_ms.max(1_000)),
+            input_cache: Default::default(),
         };
         tokio::spawn(runner.run(stop_rx.clone()))
     };

@@ -47,6 +47,10 @@ pub fn parse(number: usize, text: &str) -> Result<Line, FormatError> {
     let error = |code, message: String, param| FormatError { code, message, param, line: Some(number) };
     let value: Value = serde_json::from_str(text).map_err(|e| error("invalid_json_line", format!("line {number} is not JSON: {e}"), None))?;
     let custom_id = match value.get("custom_id") {
+        // Postgres cannot store a NUL, and the id is recorded with the line's answer.
+        Some(Value::String(id)) if id.contains('\0') => {
+            return Err(error("invalid_custom_id", "custom_id contains a NUL character (\\u0000)".into(), Some("custom_id")))
+        }
         Some(Value::String(id)) if !id.is_empty() && id.len() <= CUSTOM_ID_MAX => id.clone(),
         Some(Value::String(id)) if !id.is_empty() => {
             return Err(error("invalid_custom_id", format!("custom_id is {} bytes; at most {CUSTOM_ID_MAX}", id.len()), Some("custom_id")))
@@ -133,6 +137,7 @@ mod tests {
             json!({"custom_id": "d", "method": "POST", "url": "/v1/moderations", "body": {}}).to_string(),
             json!({"custom_id": "e", "method": "POST", "url": "/v1/embeddings"}).to_string(),
             json!({"custom_id": "x".repeat(CUSTOM_ID_MAX + 1), "method": "POST", "url": "/v1/embeddings", "body": {}}).to_string(),
+            json!({"custom_id": "f\u{0}", "method": "POST", "url": "/v1/embeddings", "body": {}}).to_string(),
         ]
         .join("\n");
         let errors = validate(file.as_bytes()).unwrap_err();
@@ -146,6 +151,7 @@ mod tests {
                 ("invalid_url", Some(5)),
                 ("missing_required_parameter", Some(6)),
                 ("invalid_custom_id", Some(7)),
+                ("invalid_custom_id", Some(8)),
             ]
         );
     }

@@ -30,11 +30,19 @@ const CHUNK: usize = 500;
 const LINE_CONCURRENCY: usize = 16;
 /// How long one step submits chunks before giving other batches a turn.
 const STEP_BUDGET: Duration = Duration::from_secs(10);
-/// Lines of the output files read and written at once.
+/// Lines of the output files whose records (line, job) are read from Postgres at once.
 const PAGE: usize = 500;
+/// Job outputs read and held at once while the output files are written: an embedding line
+/// of 2,048 texts is megabytes of JSON, so a page's outputs are never held together.
+const OUTPUTS_IN_MEMORY: usize = 4;
 
 pub struct Runner {
     pub state: AppState,
+    /// The input file of the batch submitted last, kept between its steps: a batch of
+    /// thousands of lines takes many steps (and a tenant's full queue many waits), and each
+    /// would otherwise read the whole file again. One file, at most
+    /// `TERN_MAX_BATCH_FILE_BYTES`.
+    pub input_cache: tokio::sync::Mutex<Option<(String, bytes::Bytes)>>,
     /// Who holds claims: this replica.
     pub owner: String,
     /// How often it looks for batches with work.
@@ -72,6 +80,14 @@ impl From<sqlx::Error> for Stop {
 /// line's: the line is tried again later rather than refused.
 fn transient(status: StatusCode) -> bool {
     status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+/// Text as Postgres can store it: a NUL written out.
+fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    match text.contains('\0') {
+        true => text.replace('\0', "\\u0000").into(),
+        false => text.into(),
+    }
 }
 
 impl Runner {
@@ -236,10 +252,29 @@ impl Runner {
         Ok(Duration::ZERO)
     }
 
+    /// The input file while its batch is submitted: read once, then kept ([`Runner::input_cache`]).
+    async fn cached_input(&self, batch: &Batch) -> Result<Option<bytes::Bytes>, Stop> {
+        let mut cache = self.input_cache.lock().await;
+        if let Some((id, bytes)) = cache.as_ref() {
+            if *id == batch.id {
+                return Ok(Some(bytes.clone()));
+            }
+        }
+        // The file of another batch goes before this one is read, so one is held at a time.
+        *cache = None;
+        let bytes = self.input(batch).await?;
+        if let Some(bytes) = &bytes {
+            *cache = Some((batch.id.clone(), bytes.clone()));
+        }
+        Ok(bytes)
+    }
+
     /// Makes lines jobs, a chunk at a time, for up to [`STEP_BUDGET`]. A full queue shrinks
-    /// the chunk; when even one line does not fit, it waits.
+    /// the chunk; when even one line does not fit, it waits (the file kept, not read again).
+    /// A chunk refused for one of its lines (an error of the request, 4xx) is halved down to
+    /// that line, which is recorded as refused while the rest go on.
     async fn submit(&self, batch: &Batch) -> Result<Next, Stop> {
-        let Some(bytes) = self.input(batch).await? else {
+        let Some(bytes) = self.cached_input(batch).await? else {
             // The file went while the batch ran (deleting it is refused then; a race).
             return self.refuse_rest(batch, "input_file_missing", "the input file was deleted").await;
         };
@@ -251,6 +286,13 @@ impl Runner {
             let end = (submitted + chunk).min(requests.len());
             match self.submit_lines(batch, submitted, &requests[submitted..end]).await {
                 Ok(()) => submitted = end,
+                Err(Stop::Service(e)) if e.status.is_client_error() && !transient(e.status) && chunk > 1 => chunk /= 2,
+                Err(Stop::Service(e)) if e.status.is_client_error() && !transient(e.status) => {
+                    tracing::info!(batch = %batch.id, line = submitted, code = e.code, "a line refused where its job was written");
+                    self.refuse_line(batch, submitted, requests[submitted], &e).await?;
+                    submitted += 1;
+                    chunk = CHUNK;
+                }
                 Err(Stop::Service(e)) if transient(e.status) && chunk > 1 => chunk /= 2,
                 Err(Stop::Service(e)) if transient(e.status) => {
                     tracing::debug!(batch = %batch.id, code = e.code, "the queue is full: the batch waits");
@@ -298,7 +340,7 @@ impl Runner {
                     let id = job.idempotency_key.as_ref().and_then(|k| ids.get(k)).copied();
                     (Some(id.ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "a submitted line has no job"))?), None, None, None)
                 }
-                Err(e) => (None, Some(e.status.as_u16() as i32), Some(e.code.as_str()), Some(e.message.as_str())),
+                Err(e) => (None, Some(e.status.as_u16() as i32), Some(e.code.as_str()), Some(storable(&e.message).into_owned())),
             };
             indexes.push(*index as i32);
             custom_ids.push(custom_id.as_str());
@@ -349,6 +391,10 @@ impl Runner {
                 }
             };
             let result = async {
+                // As POST /v1/jobs refuses it: Postgres cannot store a NUL.
+                if let Some(path) = crate::extract::nul_in(&line.body, "body") {
+                    return Err(OpenAiError::invalid("invalid_character", format!("{path} contains a NUL character (\\u0000), which tern cannot store"), "body"));
+                }
                 let request = line.route.request(&line.body)?;
                 let mut value = request.job_request();
                 value["priority"] = json!(priority);
@@ -364,6 +410,35 @@ impl Runner {
             .await;
             (index, line.custom_id, result)
         }
+    }
+
+    /// Records the line at `index` as refused with `e` and moves the batch past it.
+    async fn refuse_line(&self, batch: &Batch, index: usize, (number, text): (usize, &str), e: &ApiError) -> Result<(), Stop> {
+        let custom_id = lines::parse(number, text).map(|l| l.custom_id).unwrap_or_default();
+        let mut tx = self.state.store.pool().begin().await?;
+        sqlx::query(
+            "INSERT INTO batch_requests (batch_id, line, custom_id, error_status, error_code, error_message)
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+        )
+        .bind(&batch.id)
+        .bind(index as i32)
+        .bind(&custom_id)
+        .bind(e.status.as_u16() as i32)
+        .bind(e.code)
+        .bind(storable(&e.message).as_ref())
+        .execute(&mut *tx)
+        .await?;
+        let moved = sqlx::query("UPDATE batches SET submitted = greatest(submitted, $3) WHERE id = $1 AND claimed_by = $2")
+            .bind(&batch.id)
+            .bind(&self.owner)
+            .bind((index + 1) as i32)
+            .execute(&mut *tx)
+            .await?;
+        if moved.rows_affected() == 0 {
+            return Err(Stop::ClaimLost);
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Records every line not yet submitted as refused with `code`, so the batch can end.
@@ -465,31 +540,42 @@ impl Runner {
             .bind((first + chunk.len()) as i32)
             .fetch_all(pool)
             .await?;
-            let rows: HashMap<i32, _> = rows.into_iter().map(|r| (r.0, r)).collect();
+            let mut rows: HashMap<i32, _> = rows.into_iter().map(|r| (r.0, r)).collect();
             let job_ids: Vec<Uuid> = rows.values().filter_map(|r| r.1).collect();
-            let jobs: HashMap<Uuid, Job> =
+            let mut jobs: HashMap<Uuid, Job> =
                 self.state.store.get_many(&job_ids).await.map_err(ApiError::from)?.into_iter().map(|j| (j.id, j)).collect();
-            // The futures are made in a loop, owning their job: a closure over the map's
-            // iterator here is not `Send` for the spawned runner.
-            let mut reads = Vec::new();
-            for job in jobs.values().filter(|j| j.state == JobState::Succeeded).cloned() {
-                let state = self.state.clone();
-                reads.push(async move { (job.id, job_output(&state, &job).await) });
-            }
-            let outputs: Vec<(Uuid, Result<Value, OpenAiError>)> =
-                futures::stream::iter(reads).buffer_unordered(LINE_CONCURRENCY).collect().await;
-            let mut outputs: HashMap<Uuid, Result<Value, OpenAiError>> = outputs.into_iter().collect();
+            // Each line's record is made (its job's output read) a few at a time and written in
+            // the file's order as it is ready, so at most OUTPUTS_IN_MEMORY outputs are held
+            // whatever the page's size. The futures own their line's job: a closure over the
+            // page's maps is not `Send` for the spawned runner.
+            let mut work = Vec::with_capacity(chunk.len());
             for (offset, (number, line_text)) in chunk.iter().enumerate() {
                 let index = first + offset;
-                let line = lines::parse(*number, line_text).ok();
-                let custom_id = line.as_ref().map(|l| l.custom_id.clone());
-                let row = rows.get(&(index as i32));
-                let answer = answer(batch, index, line.as_ref(), row, &jobs, &mut outputs, unrun);
-                let mut record = answer.record;
-                record["custom_id"] = json!(custom_id);
-                let mut bytes = record.to_string().into_bytes();
-                bytes.push(b'\n');
-                if answer.ok {
+                let row = rows.remove(&(index as i32));
+                let job = row.as_ref().and_then(|r| r.1).and_then(|id| jobs.remove(&id));
+                work.push((index, lines::parse(*number, line_text).ok(), row, job));
+            }
+            let records = futures::stream::iter(work)
+                .map(|(index, line, row, job)| {
+                    let state = self.state.clone();
+                    let batch = batch.clone();
+                    async move {
+                        let output = match &job {
+                            Some(job) if job.state == JobState::Succeeded => Some(job_output(&state, job).await),
+                            _ => None,
+                        };
+                        let answer = answer(&batch, index, line.as_ref(), row.as_ref(), job.as_ref(), output, unrun);
+                        let mut record = answer.record;
+                        record["custom_id"] = json!(line.map(|l| l.custom_id));
+                        let mut bytes = record.to_string().into_bytes();
+                        bytes.push(b'\n');
+                        (answer.ok, bytes)
+                    }
+                })
+                .buffered(OUTPUTS_IN_MEMORY);
+            futures::pin_mut!(records);
+            while let Some((ok, bytes)) = records.next().await {
+                if ok {
                     completed += 1;
                     out.write(&bytes).await.map_err(ApiError::from)?;
                 } else {
@@ -556,14 +642,15 @@ struct Answer {
     record: Value,
 }
 
-/// The line at `index`'s answer: its job's response, or why it has none.
+/// The line at `index`'s answer: its job's response (from `output`, the job's output where it
+/// succeeded), or why it has none.
 fn answer(
     batch: &Batch,
     index: usize,
     line: Option<&Line>,
     row: Option<&RequestRow>,
-    jobs: &HashMap<Uuid, Job>,
-    outputs: &mut HashMap<Uuid, Result<Value, OpenAiError>>,
+    job: Option<&Job>,
+    output: Option<Result<Value, OpenAiError>>,
     unrun: (&str, &str),
 ) -> Answer {
     let request_id = format!("batch_req_{}_{index}", batch.id.trim_start_matches("batch_"));
@@ -582,10 +669,10 @@ fn answer(
         }),
     };
     let Some((_, job_id, status, code, message)) = row else { return not_run(unrun.0, unrun.1) };
-    let Some(job_id) = job_id else {
+    if job_id.is_none() {
         return refused(None, status.unwrap_or(400) as u16, code.as_deref().unwrap_or("invalid_request"), message.as_deref().unwrap_or(""));
-    };
-    let Some(job) = jobs.get(job_id) else { return not_run("job_deleted", "this request's job was deleted before the batch ended") };
+    }
+    let Some(job) = job else { return not_run("job_deleted", "this request's job was deleted before the batch ended") };
     match job.state {
         JobState::Canceled if unrun.0 != "request_not_run" => not_run(unrun.0, unrun.1),
         JobState::Canceled => not_run("job_canceled", "this request's job was canceled"),
@@ -596,7 +683,7 @@ fn answer(
             refused(Some(job.id), status, code, failure.map_or("the job failed", |f| f.message.as_str()))
         }
         _ => {
-            let response = match (outputs.remove(&job.id), line) {
+            let response = match (output, line) {
                 (Some(Ok(output)), Some(line)) => line.route.request(&line.body).and_then(|r| r.response(job, &output)),
                 (Some(Err(e)), _) => Err(e),
                 _ => Err(OpenAiError { status: StatusCode::INTERNAL_SERVER_ERROR, code: "internal".into(), message: "no output".into(), param: None }),
