@@ -472,15 +472,18 @@ impl Queue {
         Ok(out)
     }
 
-    /// Restores jobs Redis does not know; `token` is set for running jobs. Returns how many
-    /// were missing.
-    pub async fn restore(&self, kind: JobKind, jobs: &[(Enqueue, Option<i64>)]) -> Result<u64> {
+    /// Restores jobs Redis does not know; `token` is set for running jobs. `after_loss`: Redis
+    /// lost its data, so a waiting job may be one a live worker runs with its start not yet
+    /// recorded; such jobs are held back one lease (`restore.lua`). Counts each tenant's
+    /// running jobs again from the leases. Returns how many were missing.
+    pub async fn restore(&self, kind: JobKind, jobs: &[(Enqueue, Option<i64>)], after_loss: bool) -> Result<u64> {
         let mut c = self.conn().await?;
         let mut restored = 0;
         for (shard, group) in self.by_shard(jobs, |(j, _)| j.id) {
             for chunk in group.chunks(CHUNK) {
                 let mut inv = RESTORE.prepare_invoke();
-                inv.key(self.base(kind, shard)).arg(self.aging_ms()).arg(self.lease_ms());
+                let hold = if after_loss { self.lease_ms() } else { 0 };
+                inv.key(self.base(kind, shard)).arg(self.aging_ms()).arg(self.lease_ms()).arg(hold);
                 for (_, (j, token)) in chunk {
                     inv.arg(j.id.to_string())
                         .arg(j.priority.rank())

@@ -3,8 +3,11 @@
 //! Every round walks the unfinished jobs in Postgres and restores any that Redis does not hold:
 //! after Redis lost its data (restart without persistence, `FLUSHALL`, failover) or after a
 //! process died between a Postgres commit and the matching Redis call. Waiting jobs go back to
-//! their ready or delayed sets; running jobs get their lease back, so a live worker carries on
-//! and a dead one's job is reaped. Jobs Redis already holds are left alone, so nothing is
+//! their ready or delayed sets (after a data loss, due a lease from now: a live worker may run
+//! one with its start not yet recorded, and it records that start, settles the job or is told
+//! its lease is lost within a lease); running jobs get their lease back, so a live worker
+//! carries on and a dead one's job is reaped. Each tenant's running count is counted again
+//! from the leases. Jobs Redis already holds are left alone, so nothing is
 //! queued twice, and Postgres refuses any second start of a job, so nothing runs twice.
 //!
 //! Marker keys tell a data loss apart: `{prefix}:epoch`, and one `restored` key in each queue
@@ -94,7 +97,7 @@ impl Reconciler {
                 ));
             }
             for (kind, jobs) in by_kind {
-                restored += self.queue.restore(kind, &jobs).await?;
+                restored += self.queue.restore(kind, &jobs, data_lost).await?;
             }
             if (page.len() as i64) < PAGE {
                 after = None;

@@ -9,7 +9,11 @@
 //!   is its number of leases;
 //! - a pull never takes a capped tenant past its cap;
 //! - fencing tokens only grow, across losses of Redis data too;
-//! - a pulled job is one Postgres holds as waiting, never a finished or running one;
+//! - a pulled job is one Postgres holds as waiting, never a finished or running one, nor one a
+//!   live worker runs with its start not yet recorded (`TERN_RECORD_START_AFTER_MS`: such a
+//!   worker records the start, settles the job, or is told its lease is lost and drops it
+//!   within a lease; after a loss of Redis data the job it holds is handed out only a lease
+//!   later);
 //! - a finished job is in no set, and short of a loss of Redis data an unfinished one is always
 //!   in one (a lease that expired before its job started puts the job back);
 //! and after every reconciler sweep, nothing Postgres holds as waiting or running is missing.
@@ -61,6 +65,9 @@ struct World {
     log: Vec<String>,
     /// Redis lost its data and no sweep has run since.
     lost: bool,
+    /// Jobs a live worker runs with its start not yet recorded (Postgres holds them as
+    /// waiting), and its lease's token.
+    unrecorded: HashMap<Uuid, i64>,
 }
 
 impl World {
@@ -112,7 +119,7 @@ impl World {
                 (self.job(*id), token)
             })
             .collect();
-        self.queue.restore(KIND, &active).await.unwrap();
+        self.queue.restore(KIND, &active, self.lost).await.unwrap();
         self.queue.set_shares(&shares()).await.unwrap();
         self.queue.mark_restored().await.unwrap();
         self.lost = false;
@@ -154,8 +161,16 @@ impl World {
                     self.max_token = lease.token;
                     // The worker's start: Postgres takes it only if it was waiting. One worker in
                     // eight dies between its pull and its start, leaving the job waiting.
+                    if self.unrecorded.contains_key(&lease.id) {
+                        self.fail(format!("pulled {} while a live worker runs it with its start unrecorded", lease.id));
+                    }
                     match self.jobs.get(&lease.id).copied() {
                         Some(Recorded::Waiting) if self.rng.below(8) == 0 => self.log.push("  (its worker died)".into()),
+                        // Runs it, recording the start later (or with its outcome).
+                        Some(Recorded::Waiting) if self.rng.below(3) == 0 => {
+                            self.log.push("  (start not recorded yet)".into());
+                            self.unrecorded.insert(lease.id, lease.token);
+                        }
                         Some(Recorded::Waiting) => {
                             self.jobs.insert(lease.id, Recorded::Running(lease.token));
                         }
@@ -196,7 +211,10 @@ impl World {
                             self.queue.settle(KIND, &[(id, t, SettleAction::At(chrono::Utc::now()))]).await.unwrap();
                         }
                         Some(Recorded::Waiting) => {
-                            self.queue.restore(KIND, &[(self.job(id), None)]).await.unwrap();
+                            // An unrecorded start's lease ran out: that worker stopped (it
+                            // acts within a lease, so it is gone).
+                            self.unrecorded.remove(&id);
+                            self.queue.restore(KIND, &[(self.job(id), None)], false).await.unwrap();
                         }
                         _ => {}
                     }
@@ -225,12 +243,46 @@ impl World {
                 self.log.push("sweep".into());
                 self.sweep().await;
             }
+            9 if self.rng.below(2) == 0 => {
+                if let Some(&id) = self.unrecorded.keys().nth(self.rng.below(self.unrecorded.len().max(1))) {
+                    self.unrecorded_worker_acts(id).await;
+                }
+            }
             _ => {
+                // Within a lease, every worker with an unrecorded start has acted.
+                for id in self.unrecorded.keys().copied().collect::<Vec<_>>() {
+                    self.unrecorded_worker_acts(id).await;
+                }
                 self.log.push("time passes".into());
                 tokio::time::sleep(Duration::from_millis(LEASE_MS + 5)).await;
             }
         }
         self.check().await;
+    }
+
+    /// A worker running `id` with its start unrecorded heartbeats, then drops the job if told
+    /// its lease is lost, else records its start or settles it (the start recorded with the
+    /// outcome); Postgres takes either only while it holds the job as waiting.
+    async fn unrecorded_worker_acts(&mut self, id: Uuid) {
+        let Some(token) = self.unrecorded.remove(&id) else { return };
+        let status = self.queue.heartbeat(KIND, &[(id, token)]).await.unwrap();
+        self.log.push(format!("unrecorded {id} {token}: heartbeat {status:?}"));
+        if status == [LeaseStatus::Lost] {
+            self.log.push("  drops it".into());
+            return;
+        }
+        if self.jobs.get(&id) != Some(&Recorded::Waiting) {
+            self.log.push("  Postgres refuses it".into());
+            return;
+        }
+        if self.rng.below(2) == 0 {
+            self.log.push("  records its start".into());
+            self.jobs.insert(id, Recorded::Running(token));
+        } else {
+            self.log.push("  settles it".into());
+            self.jobs.insert(id, Recorded::Finished);
+            self.queue.settle(KIND, &[(id, token, SettleAction::Done)]).await.unwrap();
+        }
     }
 
     async fn running(&mut self, tenant: &str) -> i64 {
@@ -325,6 +377,7 @@ async fn queue_scripts_keep_their_invariants_under_random_interleavings() {
                 rng: Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
                 log: Vec::new(),
                 lost: false,
+                unrecorded: HashMap::new(),
             };
         world.queue.mark_restored().await.unwrap();
         world.queue.set_shares(&shares()).await.unwrap();

@@ -260,10 +260,16 @@ impl Runner {
             }
         };
 
+        // A job whose lease the keeper found lost reports nothing, even if it finished before
+        // it saw the signal: another worker may hold it. Postgres refuses a recorded start's
+        // outcome by its token anyway; an unrecorded one's it would take, and after Redis lost
+        // its data the job may be handed out again (a lease later), so it would run twice.
         let settlements: Vec<Settlement> = jobs
             .iter()
             .zip(outcomes)
-            .filter(|(job, _)| !lost.contains(&job.id))
+            .zip(&signals)
+            .filter(|((job, _), stop)| !lost.contains(&job.id) && stop.reason() != Some(StopReason::LeaseLost))
+            .map(|(pair, _)| pair)
             .filter_map(|(job, outcome)| {
                 outcome.map(|outcome| Settlement {
                     id: job.id,

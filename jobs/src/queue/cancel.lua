@@ -6,7 +6,7 @@
 local id = ARGV[1]
 if ARGV[2] == 'waiting' then
   local meta = redis.call('HGET', key('meta'), id)
-  local tenant = 'default'
+  local tenant = false
   if meta then
     tenant = meta_tenant(meta)
     ready_remove(id, meta_rank(meta), tenant)

@@ -111,16 +111,19 @@ local function count_leases(tenant, n)
   redis.call('HINCRBY', key('running'), tenant, n)
 end
 
--- Drops the leases of jobs `ids` (tenants[n] the tenant of ids[n]) that have one, and counts
--- them off their tenants: a few commands for the whole list.
+-- Drops the leases of jobs `ids` (tenants[n] the tenant of ids[n], false where unknown: the
+-- job's metadata is gone) that have one, and counts them off their tenants: a few commands
+-- for the whole list. A lease of no known tenant is counted off none (the next restore
+-- counts every tenant's leases again).
 local function lease_remove_many(ids, tenants)
   if #ids == 0 then
     return
   end
   local leased = redis.call('ZMSCORE', key('leases'), unpack(ids))
   local freed = {}
-  for n, tenant in ipairs(tenants) do
-    if leased[n] then
+  for n = 1, #ids do
+    local tenant = tenants[n]
+    if leased[n] and tenant then
       freed[tenant] = (freed[tenant] or 0) + 1
     end
   end
@@ -130,6 +133,27 @@ local function lease_remove_many(ids, tenants)
     if redis.call('HINCRBY', key('running'), tenant, -k) <= 0 then
       redis.call('HDEL', key('running'), tenant)
     end
+  end
+end
+
+-- Sets each tenant's running count to its number of leases (the metadata names a lease's
+-- tenant; a lease without metadata counts for no tenant).
+local function recount_leases()
+  local ids = redis.call('ZRANGE', key('leases'), 0, -1)
+  local counts = {}
+  for n = 1, #ids, 1000 do
+    local part = {unpack(ids, n, math.min(n + 999, #ids))}
+    local metas = redis.call('HMGET', key('meta'), unpack(part))
+    for m = 1, #part do
+      if metas[m] then
+        local tenant = meta_tenant(metas[m])
+        counts[tenant] = (counts[tenant] or 0) + 1
+      end
+    end
+  end
+  redis.call('DEL', key('running'))
+  for tenant, k in pairs(counts) do
+    redis.call('HSET', key('running'), tenant, k)
   end
 end
 

@@ -18,7 +18,7 @@ for n, id in ipairs(ids) do
   local token, action = ARGV[3 * n - 1], ARGV[3 * n]
   if tokens[n] == token then
     unlease[#unlease + 1] = id
-    tenants[#tenants + 1] = metas[n] and meta_tenant(metas[n]) or 'default'
+    tenants[#tenants + 1] = metas[n] and meta_tenant(metas[n]) or false
   end
   if action == 'done' then
     forget[#forget + 1] = id
