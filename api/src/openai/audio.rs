@@ -458,7 +458,7 @@ impl Live {
             if let Some(text) = progress.and_then(|p| p.text) {
                 if let Some(delta) = text.get(self.sent..).filter(|d| !d.is_empty()) {
                     self.sent = text.len();
-                    self.attempt = Some(job.attempts);
+                    self.attempt = Some(super::attempt_in_progress(&job));
                     return vec![Self::delta(delta)];
                 }
             }

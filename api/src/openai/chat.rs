@@ -316,7 +316,7 @@ impl Streamed {
                 if let Some(delta) = text.get(self.sent..).filter(|d| !d.is_empty()) {
                     let first = self.sent == 0;
                     self.sent = text.len();
-                    self.attempt = Some(job.attempts);
+                    self.attempt = Some(super::attempt_in_progress(&job));
                     return vec![self.chunk(created, &self.model, Some(delta), Value::Null, first)];
                 }
             }

@@ -228,11 +228,21 @@ impl Waited {
     }
 }
 
+/// The attempt a job's progress text belongs to: its recorded attempts while it runs or once
+/// it ended; one more while it waits (a worker may run it with its start not yet recorded,
+/// `TERN_RECORD_START_AFTER_MS`, and records that start as this attempt).
+pub fn attempt_in_progress(job: &tern_jobs::Job) -> i32 {
+    match job.state == tern_jobs::JobState::Running || job.state.is_terminal() {
+        true => job.attempts,
+        false => job.attempts + 1,
+    }
+}
+
 /// A stream that sent text of attempt `sent_attempt` (where it sent any) ends with this error
 /// once `job` is on another attempt: OpenAI's streams only grow, so the new attempt's text,
 /// generated anew, cannot follow what the client already holds (it would splice the two).
 pub fn retried_since(sent_attempt: Option<i32>, job: &tern_jobs::Job) -> Option<OpenAiError> {
-    sent_attempt.filter(|&a| a != job.attempts).map(|_| OpenAiError {
+    sent_attempt.filter(|&a| a != attempt_in_progress(job)).map(|_| OpenAiError {
         status: StatusCode::SERVICE_UNAVAILABLE,
         code: "job_retried".into(),
         message: "the job was retried after part of its text was sent; its new attempt's text starts over: ask again".into(),
