@@ -79,7 +79,7 @@ struct Cli {
     /// `full` (the default: as Whisper was trained, and as faster-whisper and OpenAI's
     /// reference compute it), or the audio plus this many seconds (at least 0.5): a 6 s clip
     /// then costs about a quarter of a full encoder pass, at the word error rates
-    /// docs/benchmarks.md measures (tiny.en: 7.0% on the LibriVox clips at 2 s, against 4.2%).
+    /// docs/benchmarks.md measures (tiny.en at beam 5: 5.6% on the LibriVox clips at 2 s, against 4.2%).
     #[arg(long, env = "TERN_WHISPER_PADDING", default_value = "full")]
     whisper_padding: tern_models::whisper::Padding,
     /// Beam size of transcriptions whose input names none: 5 (faster-whisper's default) or
