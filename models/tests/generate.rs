@@ -258,6 +258,17 @@ fn a_batch_serves_each_request_as_alone_and_isolates_failures() {
     assert_eq!(results[3].as_ref().unwrap(), &alone_greedy, "greedy, batched");
 }
 
+/// One request of `prompt` for each of `opts`, served together.
+fn one_batch(llm: &Llm, prompt: &Prompt, opts: &[GenerateOptions]) -> Vec<anyhow::Result<Generation>> {
+    let mut callbacks: Vec<_> = (0..opts.len()).map(|_| |_: &str, _: usize| true).collect();
+    let requests = opts
+        .iter()
+        .zip(callbacks.iter_mut())
+        .map(|(options, on_text)| GenerationRequest { prompt, options, on_text: on_text as &mut dyn FnMut(&str, usize) -> bool })
+        .collect();
+    llm.generate_batch(requests)
+}
+
 /// Enough sampled requests that a step samples its rows on several threads: each, with its
 /// own seed, comes out as it does alone.
 #[test]
@@ -269,13 +280,7 @@ fn many_sampled_requests_sampled_side_by_side_each_come_out_as_alone() {
     let alone: Vec<Generation> = opts.iter().map(|o| llm.generate(&story, o, &mut |_, _| true).unwrap()).collect();
     let distinct: std::collections::HashSet<&str> = alone.iter().map(|g| g.text.as_str()).collect();
     assert!(distinct.len() > 1, "the seeds should give different texts: {alone:?}");
-    let mut callbacks: Vec<_> = (0..opts.len()).map(|_| |_: &str, _: usize| true).collect();
-    let requests = opts
-        .iter()
-        .zip(callbacks.iter_mut())
-        .map(|(options, on_text)| GenerationRequest { prompt: &story, options, on_text: on_text as &mut dyn FnMut(&str, usize) -> bool })
-        .collect();
-    let together = llm.generate_batch(requests);
+    let together = one_batch(llm, &story, &opts);
     for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
         assert_eq!(t.as_ref().unwrap(), a, "request {i}: batched as alone");
     }
@@ -411,13 +416,7 @@ fn tokens_picked_with_the_logits_are_those_picked_on_the_host() {
     ];
     let run = |device_sampling: bool| -> Vec<Generation> {
         llm.set_device_sampling(device_sampling);
-        let mut callbacks: Vec<_> = (0..opts.len()).map(|_| |_: &str, _: usize| true).collect();
-        let requests = opts
-            .iter()
-            .zip(callbacks.iter_mut())
-            .map(|(options, on_text)| GenerationRequest { prompt: &story, options, on_text: on_text as &mut dyn FnMut(&str, usize) -> bool })
-            .collect();
-        llm.generate_batch(requests).into_iter().map(Result::unwrap).collect()
+        one_batch(&llm, &story, &opts).into_iter().map(Result::unwrap).collect()
     };
     let (with_logits, on_host) = (run(true), run(false));
     assert_eq!(with_logits, on_host);

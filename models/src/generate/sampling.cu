@@ -15,29 +15,15 @@ __device__ __forceinline__ unsigned int order_key(float x) {
 
 // Block-wide sum in a fixed order (warp butterflies, then warp 0 over the warps' sums), so the
 // same row gives the same bits every time. Every thread gets thread 0's result.
-__device__ float block_sum(float v, float* scratch) {
+template <typename T>
+__device__ T block_sum(T v, T* scratch) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        v = lane < warps ? scratch[lane] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-        if (lane == 0) scratch[32] = v;
-    }
-    __syncthreads();
-    return scratch[32];
-}
-
-__device__ unsigned int block_count(unsigned int v, unsigned int* scratch) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < warps ? scratch[lane] : 0u;
+        v = lane < warps ? scratch[lane] : T(0);
         for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
         if (lane == 0) scratch[32] = v;
     }
@@ -105,7 +91,7 @@ extern "C" __global__ void tern_pick_tokens(const float* logits, const float* pa
             unsigned int cand = found | (1u << b);
             unsigned int c = 0;
             for (int i = t; i < vocab; i += n) c += order_key(row[i]) >= cand ? 1u : 0u;
-            if (block_count(c, uscratch) >= top_k) found = cand;
+            if (block_sum(c, uscratch) >= top_k) found = cand;
         }
         floor_key = found;
     }

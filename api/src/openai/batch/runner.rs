@@ -364,16 +364,23 @@ impl Runner {
         .bind(&messages)
         .execute(&mut *tx)
         .await?;
+        self.advance(&mut tx, batch, first + requests.len()).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Moves the batch's count of submitted lines to at least `to` in `tx`, while this runner
+    /// holds the batch.
+    async fn advance(&self, tx: &mut sqlx::PgConnection, batch: &Batch, to: usize) -> Result<(), Stop> {
         let moved = sqlx::query("UPDATE batches SET submitted = greatest(submitted, $3) WHERE id = $1 AND claimed_by = $2")
             .bind(&batch.id)
             .bind(&self.owner)
-            .bind((first + requests.len()) as i32)
+            .bind(to as i32)
             .execute(&mut *tx)
             .await?;
         if moved.rows_affected() == 0 {
             return Err(Stop::ClaimLost);
         }
-        tx.commit().await?;
         Ok(())
     }
 
@@ -428,15 +435,7 @@ impl Runner {
         .bind(storable(&e.message).as_ref())
         .execute(&mut *tx)
         .await?;
-        let moved = sqlx::query("UPDATE batches SET submitted = greatest(submitted, $3) WHERE id = $1 AND claimed_by = $2")
-            .bind(&batch.id)
-            .bind(&self.owner)
-            .bind((index + 1) as i32)
-            .execute(&mut *tx)
-            .await?;
-        if moved.rows_affected() == 0 {
-            return Err(Stop::ClaimLost);
-        }
+        self.advance(&mut tx, batch, index + 1).await?;
         tx.commit().await?;
         Ok(())
     }
