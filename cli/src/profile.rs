@@ -63,16 +63,33 @@ impl Config {
     /// Writes the file, readable by its owner only (it holds keys).
     pub fn save(&self) -> Result<PathBuf> {
         let path = path();
+        self.save_to(&path)?;
+        Ok(path)
+    }
+
+    /// Writes the file at `path` atomically and never readable by others: the text goes to a
+    /// file beside it created owner-only (0600), which then replaces it. Written in place and
+    /// chmod-ed after, the keys were world-readable for a moment, and a crash mid-write left
+    /// half a file.
+    fn save_to(&self, path: &std::path::Path) -> Result<()> {
+        use std::io::Write;
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        std::fs::write(&path, toml::to_string_pretty(self)?)?;
+        let partial = path.with_extension("toml.partial");
+        let _ = std::fs::remove_file(&partial);
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
         #[cfg(unix)]
         {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
         }
-        Ok(path)
+        let mut file = options.open(&partial).with_context(|| format!("creating {}", partial.display()))?;
+        file.write_all(toml::to_string_pretty(self)?.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&partial, path).with_context(|| format!("replacing {}", path.display()))?;
+        Ok(())
     }
 
     /// The name of the profile in use: `name`, else `default_profile`, else `default`.
@@ -96,6 +113,30 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A profile file is written whole and owner-only into a new file that replaces a
+    /// world-readable one (a new inode: never the old file rewritten in place).
+    #[cfg(unix)]
+    #[test]
+    fn profiles_are_saved_owner_only_and_whole() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = std::env::temp_dir().join(format!("tern-cli-profile-{}", std::process::id()));
+        let path = dir.join("config.toml");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&path, "old").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let before = std::fs::metadata(&path).unwrap().ino();
+        let mut config = Config::default();
+        config.profiles.insert("prod".into(), Profile { url: Some("https://p".into()), api_key: Some("tern_secret".into()) });
+        config.save_to(&path).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600, "mode {:o}", meta.permissions().mode());
+        assert_ne!(meta.ino(), before, "the file was rewritten in place, not replaced");
+        let saved: Config = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(saved.profiles["prod"].api_key.as_deref(), Some("tern_secret"));
+        assert!(!path.with_extension("toml.partial").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn flags_beat_profiles_beat_defaults() {
