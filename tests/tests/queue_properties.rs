@@ -66,8 +66,8 @@ struct World {
     /// Redis lost its data and no sweep has run since.
     lost: bool,
     /// Jobs a live worker runs with its start not yet recorded (Postgres holds them as
-    /// waiting), and its lease's token.
-    unrecorded: HashMap<Uuid, i64>,
+    /// waiting), its lease's token, and when it last heard from Redis (pulled or heartbeat).
+    unrecorded: HashMap<Uuid, (i64, std::time::Instant)>,
 }
 
 impl World {
@@ -145,6 +145,17 @@ impl World {
                 self.queue.enqueue(&[self.job(id)]).await.unwrap();
             }
             2 | 3 => {
+                // A live worker heartbeats every half lease (as the worker's keeper does), so
+                // one with an unrecorded start that has gone that long acts before any pull.
+                let due: Vec<Uuid> = self
+                    .unrecorded
+                    .iter()
+                    .filter(|(_, (_, since))| since.elapsed() >= Duration::from_millis(LEASE_MS / 2))
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in due {
+                    self.unrecorded_worker_acts(id).await;
+                }
                 let max = 1 + self.rng.below(3);
                 let capped_running = self.running("capped").await;
                 let leases = self.queue.pull(KIND, max, max as i64).await.unwrap();
@@ -169,7 +180,7 @@ impl World {
                         // Runs it, recording the start later (or with its outcome).
                         Some(Recorded::Waiting) if self.rng.below(3) == 0 => {
                             self.log.push("  (start not recorded yet)".into());
-                            self.unrecorded.insert(lease.id, lease.token);
+                            self.unrecorded.insert(lease.id, (lease.token, std::time::Instant::now()));
                         }
                         Some(Recorded::Waiting) => {
                             self.jobs.insert(lease.id, Recorded::Running(lease.token));
@@ -264,7 +275,7 @@ impl World {
     /// its lease is lost, else records its start or settles it (the start recorded with the
     /// outcome); Postgres takes either only while it holds the job as waiting.
     async fn unrecorded_worker_acts(&mut self, id: Uuid) {
-        let Some(token) = self.unrecorded.remove(&id) else { return };
+        let Some((token, _)) = self.unrecorded.remove(&id) else { return };
         let status = self.queue.heartbeat(KIND, &[(id, token)]).await.unwrap();
         self.log.push(format!("unrecorded {id} {token}: heartbeat {status:?}"));
         if status == [LeaseStatus::Lost] {
@@ -436,3 +447,41 @@ async fn jobs_of_one_priority_leave_in_arrival_order_across_the_counters_wrap() 
     let out_of_order = pulled.iter().zip(&arrived).position(|(p, a)| p != a);
     assert_eq!(out_of_order, None, "the first job pulled out of its arrival order");
 }
+
+/// A lease whose start Postgres refused (its job canceled or finished meanwhile) is dropped
+/// with the job's metadata, which nothing else would remove; a stale lease dropped after the
+/// job went to another worker leaves that worker's metadata alone.
+#[tokio::test]
+async fn a_refused_lease_leaves_no_metadata_behind() {
+    let prefix = format!("tern-test-drop-{}", Uuid::now_v7().simple());
+    let settings = QueueSettings { lease: Duration::from_millis(LEASE_MS), ..Default::default() };
+    let queue = Queue::connect(&tern_e2e::redis_url(), &prefix, 2, settings).unwrap();
+    queue.mark_restored().await.unwrap();
+    let mut redis = redis::Client::open(tern_e2e::redis_url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let meta_key = format!("{prefix}:{{{}}}:meta", KIND.as_str());
+    let job = |id| Enqueue { id, kind: KIND, priority: Priority::Normal, cost: 1, run_at: None, tenant: "heavy".into() };
+    let (refused, moved_on) = (Uuid::now_v7(), Uuid::now_v7());
+    queue.enqueue(&[job(refused), job(moved_on)]).await.unwrap();
+    let leases = queue.pull(KIND, 2, 2).await.unwrap();
+    assert_eq!(leases.len(), 2);
+    let token = |id| leases.iter().find(|l| l.id == id).unwrap().token;
+    // `moved_on`'s lease expires and another worker takes the job.
+    tokio::time::sleep(Duration::from_millis(LEASE_MS + 5)).await;
+    for (id, _) in queue.reap(KIND, 10).await.unwrap() {
+        if id == moved_on {
+            queue.restore(KIND, &[(job(id), None)], false).await.unwrap();
+        }
+    }
+    let again = queue.pull(KIND, 1, 1).await.unwrap();
+    assert_eq!(again.iter().map(|l| l.id).collect::<Vec<_>>(), vec![moved_on]);
+    queue
+        .settle(KIND, &[(refused, token(refused), SettleAction::Drop), (moved_on, token(moved_on), SettleAction::Drop)])
+        .await
+        .unwrap();
+    let metas: Vec<Option<String>> =
+        redis::cmd("HMGET").arg(&meta_key).arg(refused.to_string()).arg(moved_on.to_string()).query_async(&mut redis).await.unwrap();
+    assert_eq!(metas[0], None, "the refused lease's job keeps no metadata");
+    assert!(metas[1].is_some(), "the job another worker holds keeps its metadata");
+    tern_e2e::delete_redis_prefix(&prefix).await.unwrap();
+}
+
