@@ -48,7 +48,8 @@ pub fn nul_in(value: &Value, path: &str) -> Option<String> {
     }
 }
 
-fn nul_error(path: &str) -> ApiError {
+/// 400 `invalid_character`: `path` holds a NUL.
+pub fn nul_error(path: &str) -> ApiError {
     ApiError::bad_request("invalid_character", format!("{path} contains a NUL character (\\u0000), which tern cannot store"))
 }
 

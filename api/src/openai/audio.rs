@@ -260,7 +260,7 @@ async fn read_form(
             let value = field.text().await.map_err(bad_form)?;
             let checked = match value.contains('\0') {
                 // Postgres cannot store a NUL: refused as POST /v1/jobs refuses one.
-                true => Err(OpenAiError { status: StatusCode::BAD_REQUEST, code: "invalid_character".into(), message: format!("the field {name:?} contains a NUL character (\\u0000), which tern cannot store"), param: None }),
+                true => Err(crate::extract::nul_error(&format!("the field {name:?}")).into()),
                 false => set(&name, value),
             };
             if let (Err(e), None) = (checked, &refused) {

@@ -400,7 +400,8 @@ impl Runner {
             let result = async {
                 // As POST /v1/jobs refuses it: Postgres cannot store a NUL.
                 if let Some(path) = crate::extract::nul_in(&line.body, "body") {
-                    return Err(OpenAiError::invalid("invalid_character", format!("{path} contains a NUL character (\\u0000), which tern cannot store"), "body"));
+                    let e = crate::extract::nul_error(&path);
+                    return Err(OpenAiError::invalid(e.code, e.message, "body"));
                 }
                 let request = line.route.request(&line.body)?;
                 let mut value = request.job_request();
