@@ -24,6 +24,12 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
 
+    /// 429 `too_many_streams`: the caller or the server has as many streams and waits open as
+    /// allowed (`crate::job_watch`).
+    pub fn too_many_streams(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "too_many_streams", message).retry_after(1)
+    }
+
     pub fn not_found() -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found", "no such job")
     }

@@ -4,6 +4,7 @@
 mod auth;
 mod error;
 mod extract;
+mod job_watch;
 mod middleware;
 mod openai;
 mod openapi;
@@ -133,6 +134,17 @@ struct ServeArgs {
     /// 429 `tenant_queue_full`. Default: no cap.
     #[arg(long, env = "TERN_MAX_QUEUED_PER_TENANT")]
     max_queued_per_tenant: Option<i64>,
+    /// Streams and waits (`GET /v1/jobs/{id}/stream`, `?wait=`, the OpenAI routes' answers)
+    /// one API process holds open at once; one more gets 429 `too_many_streams`.
+    #[arg(long, env = "TERN_MAX_STREAMS", default_value_t = 10_000)]
+    max_streams: usize,
+    /// Streams and waits one API key may hold open at once, per API process.
+    #[arg(long, env = "TERN_MAX_STREAMS_PER_KEY", default_value_t = 1_000)]
+    max_streams_per_key: usize,
+    /// Longest a job's event stream stays open (seconds); the client then resumes it with
+    /// `Last-Event-ID`, as EventSource does by itself.
+    #[arg(long, env = "TERN_STREAM_MAX_SECONDS", default_value_t = 600)]
+    stream_max_seconds: u64,
     /// Apply database migrations at start.
     #[arg(long, env = "TERN_MIGRATE", default_value_t = true, action = clap::ArgAction::Set)]
     migrate: bool,
@@ -200,6 +212,10 @@ async fn main() -> anyhow::Result<()> {
         &public_url,
         Duration::from_secs(args.services.s3.presign_ttl_secs),
     );
+    let watches = job_watch::JobWatches::start(
+        store.pool().clone(),
+        job_watch::WatchLimits { per_process: args.max_streams.max(1), per_key: args.max_streams_per_key.max(1) },
+    );
     let state = AppState(Arc::new(Inner {
         store,
         queue,
@@ -220,6 +236,8 @@ async fn main() -> anyhow::Result<()> {
         output_links,
         webhooks_enabled: args.webhook_secrets.is_some(),
         allow_private_urls: args.services.allow_private_urls,
+        watches,
+        stream_lifetime: Duration::from_secs(args.stream_max_seconds.max(1)),
     }));
     let dispatcher_task = {
         let signer = args.webhook_secrets.clone();

@@ -18,6 +18,11 @@ pub struct Inner {
     pub webhooks_enabled: bool,
     /// Whether file URLs and webhook targets may be internal addresses.
     pub allow_private_urls: bool,
+    /// What wakes waits and streams: Postgres's notifications of job changes.
+    pub watches: crate::job_watch::JobWatches,
+    /// Longest a job's event stream stays open before the client resumes it with
+    /// `Last-Event-ID`.
+    pub stream_lifetime: std::time::Duration,
 }
 
 /// Admission limits.

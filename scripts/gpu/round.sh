@@ -18,13 +18,20 @@
 #   sampling   the token picks of generation on the device against the host's on the same
 #              logits, then generation (dense, 1..256 requests) with tokens picked on the
 #              device and on the host, and kept quantized, GPU use sampled
+#   fused      the fused decoding step against candle's ops on the same caches (1 to 256
+#              requests), then generation (dense) with fused steps and with candle's ops: one
+#              request, 16, 64 and 256 together, GPU use sampled
 #   whisper-full  Whisper tiny.en at full 30 s padding (the worker's default, the reference's
 #              transcripts): greedy at budgets 1, 256 and 1,024, beam 5 at 256 and 1,024 with
 #              picks on the device, beam 5 with host picks
-#   service    tern-bench-transcribe through API, queue, worker and S3, tiny.en and base, window
-#              budget 1 and the measured one, GPU utilisation sampled by nvidia-smi
-#   oom        a real CUDA out-of-memory: another process takes the device's memory after the
-#              worker measured its budget; the batch is split and no job fails
+#   service    tern-bench-transcribe through API, queue, worker and S3, tiny.en and base
+#              (SERVICE_MODELS names others) at beam 5, the worker's default (SERVICE_BEAMS names
+#              others, e.g. "5 1"), window budget 1 and the measured one (SERVICE_BUDGETS), GPU utilisation
+#              sampled by nvidia-smi
+#   oom        a real CUDA out-of-memory: another process holds all but 3 GB of the device, the
+#              worker runs 1,024-window batches with no check against the free memory
+#              (TERN_MEMORY_PRECHECK=false), so the CUDA allocator refuses them; each is split
+#              and no job fails
 #   peers      scripts/peers/gpu/run_peers.sh (transformers, sentence-transformers); PEERS and
 #              WHISPER_MODELS pick which (run_peers.sh)
 set -uo pipefail
@@ -165,6 +172,17 @@ sampling() {
   "$b" --device cuda --only generate --llm-weights quantized --gen-batches 64 2>&1 | tee "$OUT/generate-quantized.log"
 }
 
+fused() {
+  local b="$ROOT/bin/tern-bench-models" m
+  step "fused: the fused step against candle's ops on the same caches"
+  "$b" --device cuda --only step-check 2>&1 | tee "$OUT/step-check.log"
+  for m in fused unfused; do
+    step "fused: generation, dense, steps $m"
+    with_gpu_samples "$OUT/smi-generate-$m.csv" "$b" --device cuda --only generate --llm-weights dense \
+      --gen-batches 16,64,256 $([[ $m == unfused ]] && echo --unfused-step) 2>&1 | tee "$OUT/generate-$m.log"
+  done
+}
+
 whisper-full() {
   local b="$ROOT/bin/tern-bench-models" m=whisper-tiny.en
   step "whisper-full: tiny.en greedy, full padding, budget 1 (128 clips)"
@@ -178,14 +196,16 @@ whisper-full() {
 }
 
 service() {
-  local model
-  for model in whisper-tiny.en whisper-base; do
-    step "service: $model"
-    rm -rf "$ROOT/bin/tern-test-logs"
-    TERN_BENCH_WORKER_LOG=info with_gpu_samples "$OUT/smi-$model.csv" \
-      "$ROOT/bin/tern-bench-transcribe" --device cuda --model "$model" --clips 512 --budgets 1,measured 2>&1 |
-      tee "$OUT/service-$model.log"
-    grep -hE 'budget|probe|unit_bytes|split|warm' "$ROOT"/bin/tern-test-logs/*worker*.log 2>/dev/null | tail -40 >"$OUT/worker-$model.log"
+  local model beam
+  for model in ${SERVICE_MODELS:-whisper-tiny.en whisper-base}; do
+    for beam in ${SERVICE_BEAMS:-5}; do
+      step "service: $model, beam $beam"
+      rm -rf "$ROOT/bin/tern-test-logs"
+      TERN_BENCH_WORKER_LOG=info with_gpu_samples "$OUT/smi-$model-$beam.csv" \
+        "$ROOT/bin/tern-bench-transcribe" --device cuda --model "$model" --worker-env "TERN_WHISPER_BEAM_SIZE=$beam" --clips 512 --budgets "${SERVICE_BUDGETS:-1,measured}" 2>&1 |
+        tee "$OUT/service-$model-$beam.log"
+      grep -hE 'budget|probe|unit_bytes|split|warm' "$ROOT"/bin/tern-test-logs/*worker*.log 2>/dev/null | tail -40 >"$OUT/worker-$model-$beam.log"
+    done
   done
 }
 
@@ -202,10 +222,11 @@ time.sleep(600)' &
   sleep 15
   nvidia-smi --query-gpu=memory.used,memory.free --format=csv
   rm -rf "$ROOT/bin/tern-test-logs"
-  TERN_BENCH_WORKER_LOG=info "$ROOT/bin/tern-bench-transcribe" --device cuda --model whisper-tiny.en --clips 512 \
+  TERN_BENCH_WORKER_LOG=info "$ROOT/bin/tern-bench-transcribe" --device cuda --model whisper-tiny.en \
+    --worker-env TERN_MEMORY_PRECHECK=false --clips 512 \
     --budgets 1024 2>&1 | tee "$OUT/oom.log"
   kill "$hog"
-  grep -hiE 'split|out of memory|budget' "$ROOT"/bin/tern-test-logs/*worker*.log | tail -20 | tee -a "$OUT/oom.log"
+  grep -hiE 'split|out of memory|OUT_OF_MEMORY|ALLOC_FAILED|budget' "$ROOT"/bin/tern-test-logs/*worker*.log | tail -20 | tee -a "$OUT/oom.log"
 }
 
 peers() {

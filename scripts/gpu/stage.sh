@@ -10,7 +10,10 @@
 #        round.sh's `generate` stage (two parts instead of nine); `models` packs
 #        tern-bench-models, Whisper tiny.en, the language model and the test audio, for the
 #        in-process stages `whisper` and `generate` and their peers (three parts of 59 MB);
-#        `base` the same with Whisper base alone, for `whisper-base`.
+#        `base` the same with Whisper base alone, for `whisper-base`. With no second argument,
+#        everything for the services too; STAGE_MODELS (e.g. "whisper-tiny.en
+#        smollm2-135m-instruct testdata") limits the weights packed to those folders, and
+#        STAGE_BENCH_MODELS=0 leaves tern-bench-models out.
 #
 # Needs, here: `cargo build --release -p tern-api -p tern-e2e --bins` (ordinary); the CUDA build
 # of docs/gpu.md, its tern-worker and tern-bench-models copied to $TERN_CUDA_BIN (default
@@ -53,10 +56,17 @@ if [[ "${2:-}" == models || "${2:-}" == base ]]; then
 fi
 
 mkdir -p "$stage/bin" "$stage/lib" "$stage/weed"
-cp "$cuda_bin/tern-worker" "$cuda_bin/tern-bench-models" "$stage/bin/"
+cp "$cuda_bin/tern-worker" "$stage/bin/"
+# STAGE_BENCH_MODELS=0 leaves the in-process benchmark out (the service stages do not run it).
+[[ "${STAGE_BENCH_MODELS:-1}" == 1 ]] && cp "$cuda_bin/tern-bench-models" "$stage/bin/"
 cp "$TERN_BIN_DIR/tern-api" "$TERN_BIN_DIR/tern-bench-transcribe" "$stage/bin/"
 strip "$stage"/bin/*
-cp -r "$TERN_MODELS_DIR" "$stage/models"
+if [[ -n "${STAGE_MODELS:-}" ]]; then
+  mkdir -p "$stage/models"
+  for m in $STAGE_MODELS; do cp -r "$TERN_MODELS_DIR/$m" "$stage/models/"; done
+else
+  cp -r "$TERN_MODELS_DIR" "$stage/models"
+fi
 cp "$TERN_STATE_DIR/seaweedfs/venv/bin/weed" "$stage/weed/"
 
 # Postgres keeps Debian's layout under pg/, so its binaries find share/ by relative path.

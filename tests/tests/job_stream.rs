@@ -204,3 +204,128 @@ async fn a_transcription_streams_its_text_window_by_window() {
     }
     assert!(previous > 30.0, "words are timed across the windows: last at {previous}");
 }
+
+/// Postgres transactions committed in the cluster's database so far.
+async fn commits(cluster: &Cluster) -> i64 {
+    // Statistics reach the shared view within a second of a transaction's end.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()").fetch_one(&cluster.pg).await.unwrap()
+}
+
+/// Thousands of streams on a job scheduled a year ahead hold no database connection and send
+/// Postgres nothing while the job waits: they are woken by its notifications, not a poll each.
+/// Another tenant's reads stay quick meanwhile; one stream or wait past the key's limit gets
+/// 429 `too_many_streams` while another key still gets its own; and when the job ends, every
+/// stream gets the final `job` event.
+#[tokio::test]
+async fn thousands_of_open_streams_cost_the_database_nothing_and_the_cap_answers_429() {
+    const STREAMS: usize = 2_000;
+    let cluster = Cluster::start(&[("TERN_MAX_STREAMS_PER_KEY", "2000"), ("TERN_MAX_STREAMS", "3000"), ("TERN_RATE_LIMIT_PER_SEC", "0")]).await.unwrap();
+    let run_at = (chrono::Utc::now() + chrono::Duration::days(365)).to_rfc3339();
+    let (status, job) = cluster.post("/v1/jobs", &json!({ "kind": "embed", "input": { "texts": ["next year"] }, "run_at": run_at })).await.unwrap();
+    assert_eq!((status, job["state"].as_str()), (201, Some("scheduled")), "{job}");
+    let id = job["id"].as_str().unwrap().to_string();
+    let other_key = cluster.create_key("other", "jobs:write,jobs:read").unwrap();
+    let other = cluster.client_for(&other_key).unwrap();
+    let other_url = {
+        let r = other.post(cluster.url("/v1/jobs")).json(&json!({ "kind": "embed", "input": { "texts": ["mine"] } })).send().await.unwrap();
+        let v: Value = r.json().await.unwrap();
+        cluster.url(&format!("/v1/jobs/{}", v["id"].as_str().unwrap()))
+    };
+    let latencies = |n: usize| {
+        let (other, url) = (other.clone(), other_url.clone());
+        async move {
+            let mut took = Vec::new();
+            for _ in 0..n {
+                let start = Instant::now();
+                let r = other.get(&url).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+                took.push(start.elapsed());
+            }
+            took.sort();
+            took
+        }
+    };
+    let quiet = latencies(20).await;
+    let (before, at) = (commits(&cluster).await, Instant::now());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle = (commits(&cluster).await - before) as f64 / at.elapsed().as_secs_f64();
+
+    // One connection a stream (HTTP/1.1), as browsers open them; no client timeout.
+    let streaming = reqwest::Client::new();
+    let streams: Vec<reqwest::Response> = futures::future::join_all((0..STREAMS).map(|_| {
+        let request = streaming.get(cluster.url(&format!("/v1/jobs/{id}/stream"))).bearer_auth(&cluster.api_key);
+        async move { request.send().await.unwrap() }
+    }))
+    .await;
+    assert!(streams.iter().all(|r| r.status() == 200), "every stream under the limit opens");
+    // Each has read the job once: its first event, the state it is in.
+    let mut streams: Vec<(reqwest::Response, String)> = futures::future::join_all(streams.into_iter().map(|mut r| async move {
+        let mut buffer = String::new();
+        let first = read_events(&mut r, &mut buffer, |e| e.event == "state").await;
+        assert_eq!(first.last().map(|e| e.data["state"].clone()), Some(json!("scheduled")));
+        (r, buffer)
+    }))
+    .await;
+
+    // While they wait: the database hears almost nothing from them (a poll each would be
+    // thousands of queries a second) and another tenant's reads stay quick.
+    let (before, at) = (commits(&cluster).await, Instant::now());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let per_second = (commits(&cluster).await - before) as f64 / at.elapsed().as_secs_f64();
+    eprintln!("{idle:.0} transactions a second with no stream open, {per_second:.0} with {STREAMS}");
+    assert!(per_second < idle + 50.0, "{per_second:.0} transactions a second with {STREAMS} streams open, {idle:.0} with none");
+    let busy = latencies(50).await;
+    eprintln!("another tenant's GET: median {:?} (max {:?}) before, {:?} (max {:?}) with {STREAMS} streams open", quiet[10], quiet[19], busy[25], busy[49]);
+    assert!(busy[25] < Duration::from_millis(100) && busy[49] < Duration::from_secs(1), "median {:?}, slowest {:?}", busy[25], busy[49]);
+
+    // The key's limit: one more stream, or a wait, is refused; another key is not.
+    let refused = cluster.http.get(cluster.url(&format!("/v1/jobs/{id}/stream"))).send().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert!(refused.headers().contains_key("retry-after"));
+    assert_eq!(refused.json::<Value>().await.unwrap()["error"]["code"], "too_many_streams");
+    let (status, error) = cluster.get(&format!("/v1/jobs/{id}?wait=5s")).await.unwrap();
+    assert_eq!((status, error["error"]["code"].as_str()), (429, Some("too_many_streams")));
+    let (status, _) = cluster.get(&format!("/v1/jobs/{id}")).await.unwrap();
+    assert_eq!(status, 200, "a plain read is no stream");
+    let mine = other.get(other_url.clone() + "/stream").send().await.unwrap();
+    assert_eq!(mine.status(), 200, "another key's streams are its own");
+    drop(mine);
+
+    // The job ends: every stream gets the finished job and closes.
+    let (status, canceled) = cluster.post(&format!("/v1/jobs/{id}/cancel"), &json!({})).await.unwrap();
+    assert_eq!(status, 200, "{canceled}");
+    let finished = futures::future::join_all(streams.iter_mut().map(|(r, buffer)| async move {
+        let events = read_events(r, buffer, |e| e.event == "job").await;
+        events.last().map(|e| (e.event.clone(), e.data["state"].as_str().unwrap_or_default().to_string()))
+    }))
+    .await;
+    assert!(finished.iter().all(|e| e.as_ref().map(|(ev, st)| (ev.as_str(), st.as_str())) == Some(("job", "canceled"))), "every stream saw the end");
+    // Closed streams no longer count: the key may stream again.
+    let again = cluster.http.get(cluster.url(&format!("/v1/jobs/{id}/stream"))).send().await.unwrap();
+    assert_eq!(again.status(), 200);
+}
+
+/// A stream lives at most `TERN_STREAM_MAX_SECONDS`; the client resumes it with
+/// `Last-Event-ID` and gets what came after, nothing twice.
+#[tokio::test]
+async fn a_stream_ends_after_its_lifetime_and_resumes_where_it_left() {
+    let mut cluster = Cluster::start(&[("TERN_STREAM_MAX_SECONDS", "2")]).await.unwrap();
+    let (_, job) = cluster.post("/v1/jobs", &json!({ "kind": "embed", "input": { "texts": ["short lived"] } })).await.unwrap();
+    let id = job["id"].as_str().unwrap().to_string();
+    let started = Instant::now();
+    let mut first = open(&cluster, &id, None).await;
+    let mut buffer = String::new();
+    let events = read_events(&mut first, &mut buffer, |_| false).await;
+    assert!(started.elapsed() >= Duration::from_secs(2), "it lived its lifetime");
+    assert_eq!(events.iter().map(|e| e.data["state"].as_str().unwrap_or_default()).collect::<Vec<_>>(), ["queued"], "{events:?}");
+    let last = events.last().unwrap().id.clone();
+
+    let _worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "embed")]).unwrap();
+    let mut second = open(&cluster, &id, Some(&last)).await;
+    let mut buffer = String::new();
+    let rest = read_events(&mut second, &mut buffer, |e| e.event == "job").await;
+    let states: Vec<&str> = rest.iter().filter(|e| e.event == "state").map(|e| e.data["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["running", "succeeded"], "after the last event seen, nothing twice: {rest:?}");
+    assert_eq!(rest.last().unwrap().data["state"], "succeeded");
+}

@@ -67,6 +67,11 @@ struct Cli {
     /// warmup, at most 16 on the CPU and 1,024 on a GPU; halved when a batch runs out of memory.
     #[arg(long, env = "TERN_TRANSCRIBE_BATCH_WINDOWS")]
     transcribe_batch_windows: Option<usize>,
+    /// On a GPU, check each batch against the device's free memory before running it, and
+    /// split it at once when it would not fit (default true). `false` leaves that to the CUDA
+    /// allocator: a batch it refuses is split the same way, after the failed allocation.
+    #[arg(long, env = "TERN_MEMORY_PRECHECK", default_value_t = true, action = clap::ArgAction::Set)]
+    memory_precheck: bool,
     /// Most padded tokens in one batch of embedding jobs. Default: calibrated, at most 32,768 on
     /// the CPU and 1,048,576 on a GPU.
     #[arg(long, env = "TERN_EMBED_BATCH_TOKENS")]
@@ -322,7 +327,7 @@ async fn run() -> anyhow::Result<()> {
                     generate_tokens: cli.generate_batch_tokens.max(1),
                     whisper_beams: cli.whisper_beam_size as usize,
                 },
-                engine::memory::MemoryProbe::for_device(&cli.device),
+                engine::memory::MemoryProbe::for_device(&cli.device, cli.memory_precheck),
             ))
         }),
     });

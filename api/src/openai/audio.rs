@@ -5,6 +5,7 @@
 
 use super::{sse_data, OpenAiError, Waited};
 use crate::auth::Caller;
+use tern_jobs::api_keys::Principal;
 use crate::state::AppState;
 use crate::error::ApiError;
 use axum::extract::multipart::MultipartRejection;
@@ -290,10 +291,10 @@ async fn read_form(
 /// the request is told from another by its file's content, not by the upload key each try
 /// mints: a retry of the same form gets the first job (and its own copy of the file goes); a
 /// different file under the same key gets 409. A refused request leaves no upload behind.
-async fn submit_upload(state: &AppState, tenant: &str, value: Value, headers: &HeaderMap, upload: &StoredUpload) -> Result<Waited, OpenAiError> {
+async fn submit_upload(state: &AppState, caller: &Principal, value: Value, headers: &HeaderMap, upload: &StoredUpload) -> Result<Waited, OpenAiError> {
     let mut canonical = value.clone();
     canonical["input"]["audio"] = json!({ "upload_sha256": upload.sha256 });
-    match Waited::submit_as(state, tenant, value, headers, Some(&canonical)).await {
+    match Waited::submit_as(state, caller, value, headers, Some(&canonical)).await {
         Ok(waited) => {
             if !waited.owned() {
                 discard(state, upload).await;
@@ -318,16 +319,17 @@ pub async fn translations(state: State<AppState>, caller: Caller, headers: Heade
 }
 
 async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>, task: &'static str) -> Result<Response, OpenAiError> {
-    let tenant = caller.require("jobs:write")?.tenant.clone();
+    let principal = caller.require("jobs:write")?.clone();
+    let tenant = principal.tenant.clone();
     let (request, upload) = read(&state, &tenant, form, task).await?;
     let value = request.job_request(json!({ "upload_key": upload.key }));
-    let mut waited = submit_upload(&state, &tenant, value, &headers, &upload).await?;
+    let mut waited = submit_upload(&state, &principal, value, &headers, &upload).await?;
     let job_header = waited.header();
     if request.stream {
         // The transcript comes as the worker finishes windows (the text of the leading ones
         // done); comments keep the connection open meanwhile. Dropped early (the client left),
         // the stream drops `waited`, which cancels the job.
-        let live = Live { state, waited, sent: 0, attempt: None, done: false };
+        let live = Live { waited, sent: 0, attempt: None, done: false };
         let events = futures::stream::unfold(live, |mut live| async move {
             if live.done {
                 return None;
@@ -416,7 +418,6 @@ const STREAM_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// rest per segment once the job is done, then `transcript.text.done` with the whole text,
 /// which the deltas add up to.
 struct Live {
-    state: AppState,
     /// Dropped with the stream when the client leaves: the job is canceled.
     waited: Waited,
     /// Bytes of the text sent so far.
@@ -434,9 +435,8 @@ impl Live {
     async fn next_events(&mut self) -> Vec<axum::response::sse::Event> {
         loop {
             // The text before the job: text of a later attempt is then seen with its attempt.
-            let progress = self.state.queue.progress(self.waited.kind(), self.waited.id).await.ok().flatten();
-            let job = match self.waited.job().await {
-                Ok(job) => job,
+            let (job, progress) = match self.waited.poll(self.sent).await {
+                Ok(read) => read,
                 Err(e) => return self.fail(e),
             };
             if let Some(e) = super::retried_since(self.attempt, &job) {
@@ -462,7 +462,7 @@ impl Live {
                     return vec![Self::delta(delta)];
                 }
             }
-            tokio::time::sleep(STREAM_POLL).await;
+            self.waited.pause(STREAM_POLL).await;
         }
     }
 
@@ -571,7 +571,8 @@ mod tests {
 /// its `start` and `end` in seconds). Runs an `audio_embed` job; OpenAI's embeddings list, with
 /// the recording's vector at index 0 and usage in seconds of audio as for transcriptions.
 pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>) -> Result<Response, OpenAiError> {
-    let tenant = caller.require("jobs:write")?.tenant.clone();
+    let principal = caller.require("jobs:write")?.clone();
+    let tenant = principal.tenant.clone();
     let (mut base64, mut windows) = (false, false);
     let upload = read_form(&state, &tenant, form, |name, value| {
         match (name, value.as_str()) {
@@ -589,7 +590,7 @@ pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: 
     })
     .await?;
     let job = json!({ "kind": "audio_embed", "input": { "audio": { "upload_key": upload.key }, "windows": windows } });
-    let mut waited = submit_upload(&state, &tenant, job, &headers, &upload).await?;
+    let mut waited = submit_upload(&state, &principal, job, &headers, &upload).await?;
     let job_header = waited.header();
     let job = waited.finished().await?;
     let output = waited.output(&job).await?;

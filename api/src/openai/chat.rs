@@ -210,12 +210,12 @@ async fn complete(
     body: Result<Bytes, BytesRejection>,
     flavour: Flavour,
 ) -> Result<Response, OpenAiError> {
-    let tenant = caller.require("jobs:write")?.tenant.clone();
+    let principal = caller.require("jobs:write")?.clone();
     let request = Completion::parse(&crate::extract::json_value(body)?, flavour)?;
-    let mut waited = Waited::submit(&state, &tenant, request.job_request(), &headers).await?;
+    let mut waited = Waited::submit(&state, &principal, request.job_request(), &headers).await?;
     let job_header = waited.header();
     if request.stream {
-        let streamed = Streamed { state: state.clone(), waited, flavour, model: request.model, sent: 0, attempt: None, include_usage: request.include_usage, done: false };
+        let streamed = Streamed { waited, flavour, model: request.model, sent: 0, attempt: None, include_usage: request.include_usage, done: false };
         let events = futures::stream::unfold(streamed, |mut s| async move {
             if s.done {
                 return None;
@@ -238,7 +238,6 @@ fn usage(output: &Value) -> Value {
 
 /// A streamed completion: the text the worker reports as it generates, as chunks.
 struct Streamed {
-    state: AppState,
     /// Dropped with the stream when the client leaves: the job is canceled.
     waited: Waited,
     flavour: Flavour,
@@ -277,9 +276,8 @@ impl Streamed {
     async fn next_events(&mut self) -> Vec<Event> {
         loop {
             // The text before the job: text of a later attempt is then seen with its attempt.
-            let progress = self.state.queue.progress(self.waited.kind(), self.waited.id).await.ok().flatten();
-            let job = match self.waited.job().await {
-                Ok(job) => job,
+            let (job, progress) = match self.waited.poll(self.sent).await {
+                Ok(read) => read,
                 Err(e) => return self.fail(e),
             };
             if let Some(e) = super::retried_since(self.attempt, &job) {
@@ -320,7 +318,7 @@ impl Streamed {
                     return vec![self.chunk(created, &self.model, Some(delta), Value::Null, first)];
                 }
             }
-            tokio::time::sleep(STREAM_POLL).await;
+            self.waited.pause(STREAM_POLL).await;
         }
     }
 

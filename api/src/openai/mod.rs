@@ -32,6 +32,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::time::Duration;
+use tern_jobs::api_keys::Principal;
 use tern_jobs::{Job, JobState};
 use uuid::Uuid;
 
@@ -155,19 +156,30 @@ pub struct Waited {
     /// Only a job this request made is canceled with it, not one an idempotency key replayed.
     owned: bool,
     finished: bool,
+    /// Wakes [`Self::finished`] and [`Self::pause`] when the job changes.
+    watch: crate::job_watch::JobWatch,
+    /// The job as [`Self::poll`] last read it, whether it was running, and whether it may have
+    /// changed since.
+    last: Option<Job>,
+    running: bool,
+    stale: bool,
 }
 
 impl Waited {
     /// Submits the job request `value` (`POST /v1/jobs`'s body) for `tenant`, with the
     /// priority `headers` ask for and their `Idempotency-Key`.
-    pub async fn submit(state: &AppState, tenant: &str, value: Value, headers: &HeaderMap) -> Result<Waited, OpenAiError> {
-        Self::submit_as(state, tenant, value, headers, None).await
+    /// The wait counts against the caller's and the server's open streams and waits
+    /// (`crate::job_watch`): over them, 429 `too_many_streams` before the job is made.
+    pub async fn submit(state: &AppState, caller: &Principal, value: Value, headers: &HeaderMap) -> Result<Waited, OpenAiError> {
+        Self::submit_as(state, caller, value, headers, None).await
     }
 
     /// [`Self::submit`], an `Idempotency-Key` telling replays from other requests by
     /// `canonical` rather than by `value` (where `value` names something each try makes anew,
     /// such as an upload's key).
-    pub async fn submit_as(state: &AppState, tenant: &str, mut value: Value, headers: &HeaderMap, canonical: Option<&Value>) -> Result<Waited, OpenAiError> {
+    pub async fn submit_as(state: &AppState, caller: &Principal, mut value: Value, headers: &HeaderMap, canonical: Option<&Value>) -> Result<Waited, OpenAiError> {
+        let slot = state.watches.reserve(caller.key_id)?;
+        let tenant = caller.tenant.as_str();
         let priority = priority(headers)?;
         if let Some(p) = &priority {
             value["priority"] = json!(p);
@@ -183,12 +195,7 @@ impl Waited {
         let created = jobs::create_as(state, tenant, &value, key, canonical).await?;
         let owned = matches!(created, Created::New(_));
         let job = created.job();
-        Ok(Waited { state: state.clone(), id: job.id, kind: job.kind, owned, finished: false })
-    }
-
-    /// The job's kind.
-    pub fn kind(&self) -> tern_jobs::JobKind {
-        self.kind
+        Ok(Waited { state: state.clone(), id: job.id, kind: job.kind, owned, finished: false, watch: slot.attach(job.id), last: None, running: false, stale: true })
     }
 
     /// Whether this request made the job (not an `Idempotency-Key` replay of an earlier one).
@@ -203,16 +210,44 @@ impl Waited {
         Ok(job)
     }
 
-    /// Waits for the job's final state; checks every 50 ms at first, then at most every 250 ms.
+    /// Waits for the job's final state, reading it again each time its timeline grows
+    /// (`crate::job_watch`).
     pub async fn finished(&mut self) -> Result<Job, OpenAiError> {
-        let mut pause = Duration::from_millis(50);
         loop {
             let job = self.job().await?;
             if job.state.is_terminal() {
                 return Ok(job);
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 3 / 2).min(Duration::from_millis(250));
+            self.watch.changed(crate::job_watch::SAFETY_RECHECK).await;
+        }
+    }
+
+    /// For a live stream: the job and its progress. The progress (Redis) is read each call
+    /// while the job runs; the job (Postgres) only when it may have changed ([`Self::pause`]
+    /// said so), or when the progress has text past `sent`, so that text is always seen with
+    /// the attempt it belongs to (progress first, then the job).
+    pub async fn poll(&mut self, sent: usize) -> Result<(Job, Option<tern_jobs::queue::Progress>), OpenAiError> {
+        let progress = match self.running {
+            true => self.state.queue.progress(self.kind, self.id).await.ok().flatten(),
+            false => None,
+        };
+        let fresh = progress.as_ref().and_then(|p| p.text.as_deref()).is_some_and(|t| t.len() > sent);
+        let job = match self.last.take() {
+            Some(job) if !self.stale && !fresh => job,
+            _ => self.job().await?,
+        };
+        self.stale = false;
+        self.running = job.state == JobState::Running;
+        self.last = Some(job.clone());
+        Ok((job, progress))
+    }
+
+    /// Waits before the next [`Self::poll`]: `every` while the job runs (its progress is
+    /// polled), else until the job changes.
+    pub async fn pause(&mut self, every: Duration) {
+        let at_most = if self.running { every } else { crate::job_watch::SAFETY_RECHECK };
+        if self.watch.changed(at_most).await || !self.running {
+            self.stale = true;
         }
     }
 

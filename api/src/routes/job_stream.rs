@@ -11,6 +11,13 @@
 //! that reconnects with `Last-Event-ID`, to this replica or another after a restart, gets
 //! what it missed and nothing twice: the state changes after that one, then the progress and
 //! the text past what it had. The stream reads Postgres and Redis only, so any replica serves it.
+//!
+//! The stream reads the job from Postgres only when the job's timeline grew
+//! ([`crate::job_watch`]), and its progress from Redis every [`POLL`] while it runs: an open
+//! stream on a waiting job costs nothing. Streams count against the caller's and the process's
+//! open streams (429 `too_many_streams` over them), and each ends after
+//! `TERN_STREAM_MAX_SECONDS` (default 600): the client resumes with `Last-Event-ID`, as
+//! EventSource does by itself.
 
 use super::jobs::{job_view, own_job, parse_id};
 use crate::auth::Caller;
@@ -27,7 +34,7 @@ use std::time::Duration;
 use tern_jobs::JobState;
 use uuid::Uuid;
 
-/// How often the stream looks for news.
+/// How often the stream reads a running job's progress.
 const POLL: Duration = Duration::from_millis(150);
 
 /// Where a client is: the last timeline entry and the bytes of text it has.
@@ -73,15 +80,19 @@ impl Cursor {
     responses(
         (status = 200, description = "`text/event-stream`: events `state`, `progress`, `text`, then `job`", content_type = "text/event-stream", body = openapi::JobStreamEvent),
         (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
+        (status = 429, description = "`too_many_streams`: this API key or this server has as many streams and waits open as allowed (`TERN_MAX_STREAMS_PER_KEY`, `TERN_MAX_STREAMS`)", body = openapi::Error,
+            headers(("Retry-After" = u64, description = "Seconds to wait before trying again"))),
     ),
     security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
 )]
 pub async fn stream(State(state): State<AppState>, caller: Caller, headers: HeaderMap, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let tenant = &caller.require("jobs:read")?.tenant;
+    let principal = caller.require("jobs:read")?;
     let id = parse_id(&id)?;
-    own_job(&state, tenant, id).await?;
+    own_job(&state, &principal.tenant, id).await?;
     let cursor = headers.get("last-event-id").and_then(|v| v.to_str().ok()).map(Cursor::parse).unwrap_or_default();
-    let watch = Watch { state, id, cursor, progress: None, done: false };
+    let changes = state.watches.watch(principal.key_id, id)?;
+    let ends = tokio::time::Instant::now() + state.stream_lifetime;
+    let watch = Watch { state, id, cursor, progress: None, done: false, changes, ends, running: None, stale: true };
     let events = futures::stream::unfold(watch, |mut w| async move {
         if w.done {
             return None;
@@ -101,6 +112,14 @@ struct Watch {
     /// The last `(done, total)` sent.
     progress: Option<(u64, u64)>,
     done: bool,
+    /// Wakes the stream when the job's timeline grows.
+    changes: crate::job_watch::JobWatch,
+    /// When the stream ends (the client resumes with `Last-Event-ID`).
+    ends: tokio::time::Instant,
+    /// The job's kind while it runs, as last read.
+    running: Option<tern_jobs::JobKind>,
+    /// Whether the job may have changed since it was last read.
+    stale: bool,
 }
 
 impl Watch {
@@ -108,7 +127,18 @@ impl Watch {
     async fn next_events(&mut self) -> Vec<Event> {
         loop {
             match self.look().await {
-                Ok(events) if events.is_empty() => tokio::time::sleep(POLL).await,
+                Ok(events) if events.is_empty() => {
+                    let left = self.ends.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero() {
+                        // Its lifetime is over: the client resumes after its last event.
+                        self.done = true;
+                        return Vec::new();
+                    }
+                    let at_most = if self.running.is_some() { POLL } else { crate::job_watch::SAFETY_RECHECK };
+                    if self.changes.changed(at_most.min(left)).await || self.running.is_none() {
+                        self.stale = true;
+                    }
+                }
                 Ok(events) => return events,
                 Err(e) => {
                     self.done = true;
@@ -120,6 +150,13 @@ impl Watch {
 
     async fn look(&mut self) -> Result<Vec<Event>, ApiError> {
         let mut events = Vec::new();
+        if !self.stale {
+            if let Some(kind) = self.running {
+                self.running_news(kind, &mut events).await?;
+            }
+            return Ok(events);
+        }
+        self.stale = false;
         // The job first, then its timeline: a job seen finished has every entry written.
         let job = self.state.store.get(self.id).await?.ok_or_else(ApiError::not_found)?;
         for (event_id, entry) in self.state.store.events_after(self.id, self.cursor.event).await? {
@@ -137,8 +174,9 @@ impl Watch {
             self.done = true;
             return Ok(events);
         }
-        if job.state == JobState::Running {
-            self.running_news(job.kind, &mut events).await?;
+        self.running = (job.state == JobState::Running).then_some(job.kind);
+        if let Some(kind) = self.running {
+            self.running_news(kind, &mut events).await?;
         }
         Ok(events)
     }

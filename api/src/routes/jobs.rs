@@ -385,7 +385,8 @@ pub async fn get(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<GetQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    let tenant = &caller.require("jobs:read")?.tenant;
+    let principal = caller.require("jobs:read")?;
+    let tenant = &principal.tenant;
     let wait = q
         .wait
         .as_deref()
@@ -393,12 +394,19 @@ pub async fn get(
         .transpose()?;
     let id = parse_id(&id)?;
     let mut job = own_job(&state, tenant, id).await?;
-    if let Some(wait) = wait {
+    if let Some(wait) = wait.filter(|_| !job.state.is_terminal()) {
+        // Woken by the job's changes (crate::job_watch), not a poll: the job is read again
+        // only when its timeline grew.
         let deadline = tokio::time::Instant::now() + wait;
-        let mut pause = Duration::from_millis(50);
-        while !job.state.is_terminal() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep_until((tokio::time::Instant::now() + pause).min(deadline)).await;
-            pause = (pause * 3 / 2).min(Duration::from_millis(250));
+        let mut watch = state.watches.watch(principal.key_id, id)?;
+        // A change between the read above and the watch: read once more now it is open.
+        job = own_job(&state, tenant, id).await?;
+        while !job.state.is_terminal() {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            watch.changed(left).await;
             job = own_job(&state, tenant, id).await?;
         }
     }

@@ -47,7 +47,8 @@ struct Args {
     #[arg(long, default_value = "auto")]
     precision: Precision,
     /// Sections to run, comma-separated: transcribe, audio-embed, embed, generate,
-    /// sampling-check (the device's token picks against the host's on the same random logits).
+    /// sampling-check (the device's token picks against the host's on the same random logits),
+    /// step-check (the fused decoding step against candle's ops on the same caches).
     #[arg(long, value_delimiter = ',', default_value = "transcribe,audio-embed,embed,generate")]
     only: Vec<String>,
     /// Whisper model folder under the models directory.
@@ -83,6 +84,10 @@ struct Args {
     /// rules), as before tokens were picked on the device.
     #[arg(long)]
     host_sampling: bool,
+    /// Generation: run decoding steps as candle's ops rather than tern's fused kernels (on a
+    /// GPU, dense weights), as before the fused step.
+    #[arg(long)]
+    unfused_step: bool,
     /// Embedding batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,32,128")]
     embed_batches: Vec<usize>,
@@ -165,7 +170,8 @@ fn main() -> Result<()> {
             "embed" => embed(&args, &dir, &device)?,
             "generate" => generate(&args, &dir, &device)?,
             "sampling-check" => sampling_check(&device)?,
-            other => bail!("unknown section {other:?}; use transcribe, audio-embed, embed, generate or sampling-check"),
+            "step-check" => step_check(&args, &dir, &device)?,
+            other => bail!("unknown section {other:?}; use transcribe, audio-embed, embed, generate, sampling-check or step-check"),
         }
     }
     Ok(())
@@ -433,7 +439,13 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     .context("run scripts/models.sh --all")?;
     eprintln!("{}: weights {} ({:.0} MB resident)", args.llm_model, args.llm_weights, llm.weights_bytes() as f64 / 1e6);
     llm.set_device_sampling(!args.host_sampling);
-    println!("{}: tokens picked on the {}", args.llm_model, if args.host_sampling { "host" } else { "logits' device" });
+    llm.set_fused_step(!args.unfused_step);
+    println!(
+        "{}: tokens picked on the {}; steps {}",
+        args.llm_model,
+        if args.host_sampling { "host" } else { "logits' device" },
+        if args.unfused_step { "as candle's ops" } else { "fused where they can be" }
+    );
     let prompt = Prompt::Chat(vec![ChatMessage {
         role: "user".into(),
         content: "Write a long story about a lighthouse keeper who finds a message in a bottle.".into(),
@@ -552,6 +564,33 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         long_end.duration_since(arrived).as_secs_f64() * 1e3,
         long_end.duration_since(start).as_secs_f64(),
     );
+    Ok(())
+}
+
+/// The fused decoding step against candle's ops, dense weights, on the same caches: greedy
+/// steps of 1 to 64 requests (the matrix-vector kernels up to 8 rows, cuBLAS above), their
+/// logits' largest difference, tokens that agree, and each way's time a step.
+fn step_check(args: &Args, dir: &Path, device: &Device) -> Result<()> {
+    let llm = Llm::load_gguf_portable(&dir.join(&args.llm_model), device, WeightLayout::Dense).context("run scripts/models.sh --all")?;
+    llm.compare_fused_step(1, 2)?; // compiles and loads the kernels
+    let mut worst = 0f32;
+    for requests in [1, 2, 8, 9, 64, 256] {
+        let Some(c) = llm.compare_fused_step(requests, 32)? else { bail!("{} is not served by the batched pass", args.llm_model) };
+        let rows = c.requests * c.steps;
+        println!(
+            "step check: {requests} requests, {} steps: logits differ by at most {:.2e} (largest {:.1}); {} of {rows} greedy tokens agree; a step {:.3} ms fused, {:.3} ms as candle's ops",
+            c.steps,
+            c.max_diff,
+            c.max_logit,
+            c.same_tokens,
+            1e3 * c.fused_secs / c.steps as f64,
+            1e3 * c.plain_secs / c.steps as f64
+        );
+        worst = worst.max(c.max_diff / c.max_logit.max(1.0));
+    }
+    if worst > 1e-3 {
+        bail!("the fused step's logits differ from candle's by {worst:.2e} of the largest logit");
+    }
     Ok(())
 }
 

@@ -19,11 +19,29 @@ use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
-use candle_transformers::quantized_nn::RmsNorm;
 use tern_kernels::cpu_ops::softmax_last_dim;
 
 use super::llama::Config;
 use super::WeightLayout;
+
+#[cfg(feature = "cuda")]
+mod fused_step;
+
+/// An RMS norm whose weight the fused step reads too.
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn from_qtensor(weight: QTensor, eps: f32) -> candle_core::Result<RmsNorm> {
+        Ok(RmsNorm { weight: weight.dequantize(&weight.device())?.to_dtype(DType::F32)?, eps })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(x, &self.weight, self.eps)
+    }
+}
 
 struct Layer {
     attn_norm: RmsNorm,
@@ -122,6 +140,11 @@ pub(crate) struct BatchedLlama {
     sin: Tensor,
     device: Device,
     caches: Arc<Mutex<SlotCaches>>,
+    /// Steps run as `fused_step` runs them (on a GPU, dense weights): default true where it
+    /// serves the model ([`BatchedLlama::set_fused_step`]).
+    fused_step: std::sync::atomic::AtomicBool,
+    #[cfg(feature = "cuda")]
+    kernels: std::sync::OnceLock<fused_step::Kernels>,
 }
 
 /// The keys and values of every running request: per layer one key and one value tensor
@@ -214,7 +237,7 @@ impl BatchedLlama {
                 WeightLayout::Dense => Matrix::Dense(t.dequantize(device)?.to_dtype(DType::F32)?),
             })
         };
-        let norm = |t| RmsNorm::from_qtensor(t, f64::from(cfg.rms_eps)).map_err(anyhow::Error::from);
+        let norm = |t| RmsNorm::from_qtensor(t, cfg.rms_eps).map_err(anyhow::Error::from);
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let name = |part: &str| format!("blk.{l}.{part}.weight");
@@ -240,6 +263,10 @@ impl BatchedLlama {
         let norm = norm(tensor("output_norm.weight")?)?;
         let (cos, sin) = cfg.rotary_tables(positions);
         let half = cfg.head_dim / 2;
+        #[cfg(feature = "cuda")]
+        let fused = layers.first().is_some_and(|l| fused_step::supports(&cfg, &l.qkv, device, positions)) && matches!(output, Matrix::Dense(_));
+        #[cfg(not(feature = "cuda"))]
+        let fused = false;
         Ok(Some(BatchedLlama {
             cos: Tensor::from_vec(cos, (positions, half), device)?,
             sin: Tensor::from_vec(sin, (positions, half), device)?,
@@ -250,7 +277,30 @@ impl BatchedLlama {
             output,
             device: device.clone(),
             caches: Arc::default(),
+            fused_step: fused.into(),
+            #[cfg(feature = "cuda")]
+            kernels: Default::default(),
         }))
+    }
+
+    /// Whether decoding steps run fused on a GPU (`fused_step`; the default where it serves the
+    /// model) or as candle's ops: for benchmarks comparing the two. Has no effect where the
+    /// fused step does not serve the model.
+    pub(crate) fn set_fused_step(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        let on = on && self.layers.first().is_some_and(|l| fused_step::supports(&self.cfg, &l.qkv, &self.device, self.positions())) && matches!(self.output, Matrix::Dense(_));
+        #[cfg(not(feature = "cuda"))]
+        let on = {
+            let _ = on;
+            false
+        };
+        self.fused_step.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Positions the rotary tables cover.
+    #[cfg(feature = "cuda")]
+    fn positions(&self) -> usize {
+        self.cos.dim(0).unwrap_or(0)
     }
 
     /// A place in the shared caches for one request of up to `capacity` positions.
@@ -352,6 +402,10 @@ impl BatchedLlama {
     /// One token of each request, at the position after those in its cache; the logits of
     /// each, in order, `(rows, vocabulary)` on the device.
     pub(crate) fn step(&self, rows: &mut [(u32, &mut RowCache)]) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.fused_step.load(std::sync::atomic::Ordering::Relaxed) {
+            return self.step_fused(rows);
+        }
         let n = rows.len();
         let tokens: Vec<u32> = rows.iter().map(|r| r.0).collect();
         let positions: Vec<u32> = rows.iter().map(|r| r.1.len as u32).collect();
@@ -408,6 +462,52 @@ impl BatchedLlama {
             row.1.len += 1;
         }
         Ok(logits)
+    }
+
+    /// The fused step against candle's ops on the same states: `requests` prompts read into two
+    /// sets of caches, then `steps` greedy steps of each (both fed the unfused step's tokens).
+    /// For `tern-bench-models --only step-check`.
+    #[cfg(feature = "bench")]
+    pub(crate) fn compare_fused_step(&self, requests: usize, steps: usize) -> Result<super::FusedStepCheck> {
+        use std::sync::atomic::Ordering;
+        use std::time::Instant;
+        let was = self.fused_step.load(Ordering::Relaxed);
+        let prompts: Vec<Vec<u32>> = (0..requests).map(|r| (0..5 + 3 * (r % 7)).map(|i| ((r * 7919 + i * 104_729) % 1000 + 10) as u32).collect()).collect();
+        let capacity = prompts.iter().map(Vec::len).max().unwrap_or(0) + steps + 1;
+        let (mut fused, mut plain): (Vec<RowCache>, Vec<RowCache>) = (Vec::new(), Vec::new());
+        let mut next = Vec::new();
+        for p in &prompts {
+            let (mut a, mut b) = (self.new_cache(capacity)?, self.new_cache(capacity)?);
+            self.prefill(p, &mut a)?;
+            let logits = self.prefill(p, &mut b)?;
+            next.push(logits.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map_or(0, |(i, _)| i as u32));
+            fused.push(a);
+            plain.push(b);
+        }
+        let mut check = super::FusedStepCheck { requests, steps, ..Default::default() };
+        for _ in 0..steps {
+            let run = |on: bool, caches: &mut Vec<RowCache>| -> Result<(Vec<f32>, Vec<u32>, f64)> {
+                self.fused_step.store(on, Ordering::Relaxed);
+                let mut rows: Vec<(u32, &mut RowCache)> = next.iter().copied().zip(caches.iter_mut()).collect();
+                let start = Instant::now();
+                let logits = self.step(&mut rows)?;
+                let tokens = logits.argmax(1)?.to_vec1::<u32>()?;
+                let secs = start.elapsed().as_secs_f64();
+                Ok((logits.flatten_all()?.to_vec1()?, tokens, secs))
+            };
+            let (a, ta, sa) = run(true, &mut fused)?;
+            let (b, tb, sb) = run(false, &mut plain)?;
+            check.fused_secs += sa;
+            check.plain_secs += sb;
+            for (x, y) in a.iter().zip(&b) {
+                check.max_diff = check.max_diff.max((x - y).abs());
+                check.max_logit = check.max_logit.max(y.abs());
+            }
+            check.same_tokens += ta.iter().zip(&tb).filter(|(x, y)| x == y).count();
+            next = tb;
+        }
+        self.fused_step.store(was, Ordering::Relaxed);
+        Ok(check)
     }
 
     /// The attention mask of `t` new tokens after `start` cached ones, `(groups x t, start +

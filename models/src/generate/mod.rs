@@ -275,6 +275,21 @@ pub struct BatchStats {
     pub text_secs: f64,
 }
 
+/// The fused decoding step against candle's ops over the same steps ([`Llm::compare_fused_step`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FusedStepCheck {
+    pub requests: usize,
+    pub steps: usize,
+    /// The largest difference between the two's logits, and the largest logit.
+    pub max_diff: f32,
+    pub max_logit: f32,
+    /// Rows whose greedy token is the same, of `requests x steps`.
+    pub same_tokens: usize,
+    /// Seconds the steps took each way, a step's tokens back on the host included.
+    pub fused_secs: f64,
+    pub plain_secs: f64,
+}
+
 /// The forward pass that serves a model.
 enum Weights {
     /// tern's own, on the CPU over the file's quantized blocks (see [`llama`]).
@@ -427,6 +442,25 @@ impl Llm {
     /// comparing the two.
     pub fn set_device_sampling(&self, on: bool) {
         self.device_sampling.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether decoding steps on a GPU run as tern's fused kernels (default true where they
+    /// serve the model: dense weights, `batched::fused_step`) or as candle's ops: for
+    /// benchmarks comparing the two.
+    pub fn set_fused_step(&self, on: bool) {
+        if let Weights::Batched(b) = &self.weights {
+            b.set_fused_step(on);
+        }
+    }
+
+    /// The fused step against candle's ops on the same caches ([`FusedStepCheck`]); `None`
+    /// where the model is not served by the batched pass.
+    #[cfg(feature = "bench")]
+    pub fn compare_fused_step(&self, requests: usize, steps: usize) -> Result<Option<FusedStepCheck>> {
+        match &self.weights {
+            Weights::Batched(b) => b.compare_fused_step(requests, steps).map(Some),
+            _ => Ok(None),
+        }
     }
 
     fn device_sampling(&self) -> bool {

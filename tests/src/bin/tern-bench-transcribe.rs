@@ -40,6 +40,11 @@ struct Args {
     /// `--features cuda`.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// More of the worker's settings, `KEY=VALUE`, comma-separated (the worker is started
+    /// with the test cluster's environment alone, not this process's): e.g.
+    /// `TERN_WHISPER_BEAM_SIZE=1` or `TERN_MEMORY_PRECHECK=false`.
+    #[arg(long, value_delimiter = ',')]
+    worker_env: Vec<String>,
 }
 
 fn b64(bytes: &[u8]) -> String {
@@ -147,6 +152,10 @@ async fn main() -> Result<()> {
             ("TERN_DEVICE", &args.device),
             ("TERN_METRICS_ADDR", &metrics_addr),
         ];
+        for setting in &args.worker_env {
+            let (key, value) = setting.split_once('=').with_context(|| format!("--worker-env {setting:?}: KEY=VALUE"))?;
+            env.push((key, value));
+        }
         if budget != "measured" {
             budget.parse::<u32>().with_context(|| format!("budget {budget:?}: a number of windows or `measured`"))?;
             env.push(("TERN_TRANSCRIBE_BATCH_WINDOWS", budget));

@@ -19,8 +19,10 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(1);
 pub enum MemoryProbe {
     /// The CUDA driver's free memory on the worker's device (`cuMemGetInfo`). A probe batch's
     /// working memory is the fall of free memory to its lowest while the batch runs, sampled
-    /// every millisecond from a thread of its own.
-    Device(candle_core::Device),
+    /// every millisecond from a thread of its own. With `precheck`, a batch is checked against
+    /// the free memory before it runs ([`reserve`]); without, the allocator alone refuses a
+    /// batch that does not fit, and that error splits it the same way.
+    Device { device: candle_core::Device, precheck: bool },
     /// The process's peak resident set (Linux `/proc/self/status`) measures a probe batch; no
     /// figure for memory free now, since freed memory is kept by the allocator for reuse
     /// (`tern_models::allocator`) and the memory budget already bounds the batches.
@@ -40,10 +42,11 @@ pub struct FixedMemory {
 }
 
 impl MemoryProbe {
-    /// The probe for `device`: [`MemoryProbe::Device`] on CUDA, [`MemoryProbe::Host`] elsewhere.
-    pub fn for_device(device: &candle_core::Device) -> MemoryProbe {
+    /// The probe for `device`: [`MemoryProbe::Device`] on CUDA (batches checked against the
+    /// free memory before they run where `precheck`), [`MemoryProbe::Host`] elsewhere.
+    pub fn for_device(device: &candle_core::Device, precheck: bool) -> MemoryProbe {
         if device.is_cuda() {
-            MemoryProbe::Device(device.clone())
+            MemoryProbe::Device { device: device.clone(), precheck }
         } else {
             MemoryProbe::Host
         }
@@ -59,13 +62,13 @@ impl MemoryProbe {
     /// Whether it reads a GPU's memory: batches are then sized by it, up to the device's
     /// ceilings, rather than by the CPU's.
     pub fn is_device(&self) -> bool {
-        matches!(self, MemoryProbe::Device(_))
+        matches!(self, MemoryProbe::Device { .. })
     }
 
     /// What it reads: `cuda`, `host` or `fixed`.
     pub fn name(&self) -> &'static str {
         match self {
-            MemoryProbe::Device(_) => "cuda",
+            MemoryProbe::Device { .. } => "cuda",
             MemoryProbe::Host => "host",
             #[cfg(test)]
             MemoryProbe::Fixed(_) => "fixed",
@@ -76,7 +79,7 @@ impl MemoryProbe {
     /// tell (the CPU: the memory budget alone bounds batches there).
     pub fn free_bytes(&self) -> Option<u64> {
         match self {
-            MemoryProbe::Device(device) => {
+            MemoryProbe::Device { device, .. } => {
                 crate::resources::device_free_bytes(device).map(|free| free.saturating_sub(DEVICE_HEADROOM))
             }
             MemoryProbe::Host => None,
@@ -89,7 +92,7 @@ impl MemoryProbe {
     /// working memory it took per unit, at least 1 byte.
     pub fn measure(&self, batch: &mut dyn FnMut() -> anyhow::Result<u64>) -> anyhow::Result<u64> {
         let (units, bytes) = match self {
-            MemoryProbe::Device(device) => {
+            MemoryProbe::Device { device, .. } => {
                 let before = crate::resources::device_free_bytes(device);
                 let (lowest, running) = (Arc::new(AtomicU64::new(before.unwrap_or(u64::MAX))), Arc::new(AtomicBool::new(true)));
                 let sampler = {
@@ -138,7 +141,8 @@ pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
         cause.is::<OutOfMemory>() || {
             let text = cause.to_string();
-            text.contains("OUT_OF_MEMORY") || text.to_ascii_lowercase().contains("out of memory")
+            // The driver's, cuBLAS's (its workspace) and the CPU allocator's words for it.
+            text.contains("OUT_OF_MEMORY") || text.contains("ALLOC_FAILED") || text.to_ascii_lowercase().contains("out of memory")
         }
     })
 }
@@ -152,8 +156,12 @@ pub struct OutOfMemory {
 }
 
 /// Checks a batch of `units` at `bytes_per_unit` against what `probe` reports free, as the
-/// device's allocator would refuse it.
+/// device's allocator would refuse it; passes every batch where the probe leaves that to the
+/// allocator.
 pub fn reserve(probe: &MemoryProbe, units: usize, bytes_per_unit: u64) -> Result<(), OutOfMemory> {
+    if let MemoryProbe::Device { precheck: false, .. } = probe {
+        return Ok(());
+    }
     let needed = units as u64 * bytes_per_unit;
     match probe.free_bytes() {
         Some(free) if needed > free => Err(OutOfMemory { needed, free }),
@@ -184,6 +192,7 @@ mod tests {
     fn out_of_memory_is_told_from_other_errors() {
         let cuda = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")").context("encoder");
         assert!(is_out_of_memory(&cuda));
+        assert!(is_out_of_memory(&anyhow::anyhow!("CublasError(CUBLAS_STATUS_ALLOC_FAILED)")));
         assert!(is_out_of_memory(&anyhow::Error::new(OutOfMemory { needed: 2, free: 1 }).context("batch")));
         assert!(!is_out_of_memory(&anyhow::anyhow!("unknown language code \"xx\"")));
     }

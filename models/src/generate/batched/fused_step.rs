@@ -1,0 +1,305 @@
+//! A decoding step of [`BatchedLlama`] on a GPU as a few kernels a layer (`fused_step.cu`)
+//! rather than candle's ~21 ops. A step of one request is bound by its kernel launches (each
+//! a few microseconds, the matrices read in far less), so the launches are what is cut:
+//! - every step: a row's new key and value go straight into its cache slot with the queries'
+//!   rotation (one kernel for what took seven), and attention is one kernel for all heads of
+//!   all rows (for six), reading each row's slot and position from one small table;
+//! - up to [`MAX_ROWS`] rows: the matrix products are tern's own matrix-vector kernels, which
+//!   also apply the RMS norm before them, the rotation and cache stores, SiLU gating and the
+//!   residual sum after them, so a layer is five kernels;
+//! - more rows: cuBLAS products (compute-bound there), with the norm and residual sum as one
+//!   kernel and the gating as another, so a layer is nine.
+//!
+//! F32 throughout, as the unfused step: the two differ only in the order of additions
+//! (`tern-bench-models --only step-check` measures by how much). Only for dense weights
+//! ([`super::WeightLayout::Dense`]) whose widths are multiples of 4 and heads of at most 256.
+
+use std::sync::OnceLock;
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, Device, Layout, Module, Result, Shape, Storage, Tensor};
+
+use super::{BatchedLlama, Matrix, Projections, RowCache};
+use crate::generate::llama::Config;
+
+/// Rows the matrix-vector kernels take; steps of more use cuBLAS.
+pub(crate) const MAX_ROWS: usize = 8;
+/// Threads of a matrix-vector block (8 warps, an output each) and of the other kernels.
+const THREADS: u32 = 256;
+/// Positions the attention kernel's shared memory holds scores for.
+const MAX_POSITIONS: usize = 8192;
+
+/// The kernels, loaded on the model's device at its first fused step.
+pub(super) struct Kernels {
+    stream: Arc<CudaStream>,
+    gemv: CudaFunction,
+    gemv_add: CudaFunction,
+    gemv_gate_up: CudaFunction,
+    gemv_qkv: CudaFunction,
+    rope_store: CudaFunction,
+    add_rms_norm: CudaFunction,
+    silu_mul: CudaFunction,
+    attention: CudaFunction,
+}
+
+fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(include_str!("fused_step.cu")).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
+    })
+    .as_ref()
+    .map(String::as_str)
+    .map_err(|e| candle_core::Error::Msg(format!("compiling the fused step's kernels: {e}")))
+}
+
+impl Kernels {
+    /// A launch of `func` on the device's stream (candle's: the step's other ops run there).
+    fn builder<'a>(&'a self, func: &'a CudaFunction) -> LaunchArgs<'a> {
+        self.stream.launch_builder(func)
+    }
+
+    fn load(dev: &CudaDevice) -> Result<Kernels> {
+        let ptx = ptx()?;
+        let f = |name: &str| dev.get_or_load_custom_func(name, "tern_fused_step", ptx).map(|f| f.into_cuda_function());
+        Ok(Kernels {
+            stream: dev.cuda_stream(),
+            gemv: f("tern_gemv")?,
+            gemv_add: f("tern_gemv_add")?,
+            gemv_gate_up: f("tern_gemv_gate_up")?,
+            gemv_qkv: f("tern_gemv_qkv")?,
+            rope_store: f("tern_rope_store")?,
+            add_rms_norm: f("tern_add_rms_norm")?,
+            silu_mul: f("tern_silu_mul")?,
+            attention: f("tern_decode_attention")?,
+        })
+    }
+}
+
+/// Whether the fused step serves a model of this shape and these matrices.
+pub(super) fn supports(cfg: &Config, qkv: &Projections, device: &Device, positions: usize) -> bool {
+    let widths = [cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim];
+    device.is_cuda()
+        && matches!(qkv, Projections::Stacked(..))
+        && widths.iter().all(|w| w % 4 == 0)
+        && cfg.head_dim % 2 == 0
+        && cfg.head_dim <= THREADS as usize
+        && positions <= MAX_POSITIONS
+}
+
+/// The device memory of a contiguous tensor on a GPU.
+fn view<'a, T: CudaDType + DeviceRepr>(storage: &'a Storage, layout: &Layout) -> Result<CudaView<'a, T>> {
+    let Storage::Cuda(s) = storage else { bail!("fused step: a tensor is not on the GPU") };
+    let Some((a, b)) = layout.contiguous_offsets() else { bail!("fused step: a tensor is not contiguous") };
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every element is written by the kernel the buffer is made for before it is read.
+    unsafe { dev.alloc::<T>(len) }
+}
+
+fn tensor<T: CudaDType + DeviceRepr>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())), shape, BackpropOp::none(), false)
+}
+
+fn dense(m: &Matrix) -> Result<&Tensor> {
+    match m {
+        Matrix::Dense(w) => Ok(w),
+        Matrix::Quantized(_) => bail!("fused step: a quantized matrix"),
+    }
+}
+
+fn stacked(p: &Projections) -> Result<&Tensor> {
+    match p {
+        Projections::Stacked(w, _) => Ok(w),
+        Projections::Apart(_) => bail!("fused step: projections kept apart"),
+    }
+}
+
+fn blocks(n: usize, per_block: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (n.div_ceil(per_block) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl BatchedLlama {
+    /// [`BatchedLlama::step`] as the module's doc says: the logits of each row, `(rows,
+    /// vocabulary)` on the device.
+    pub(super) fn step_fused(&self, rows: &mut [(u32, &mut RowCache)]) -> anyhow::Result<Tensor> {
+        let Device::Cuda(dev) = &self.device else { anyhow::bail!("fused step: not on a GPU") };
+        let kernels = match self.kernels.get() {
+            Some(k) => k,
+            None => {
+                let k = Kernels::load(dev)?;
+                self.kernels.get_or_init(|| k)
+            }
+        };
+        let n = rows.len();
+        let Config { hidden, heads, kv_heads, head_dim: d, ffn, rms_eps: eps, .. } = self.cfg;
+        let (q_dim, width) = (heads * d, (heads + 2 * kv_heads) * d);
+        // The rows' tokens, then each row's slot and position: one copy to the device.
+        let mut table: Vec<u32> = rows.iter().map(|r| r.0).collect();
+        table.extend(rows.iter().flat_map(|r| [r.1.slot as u32, r.1.len as u32]));
+        let table = Tensor::from_vec(table, 3 * n, &self.device)?;
+        let x = self.embeddings.forward(&table.narrow(0, 0, n)?)?.contiguous()?;
+        let meta = table.narrow(0, n, 2 * n)?;
+        let span = rows.iter().map(|r| r.1.len + 1).max().unwrap_or(1);
+
+        let caches = self.lock_caches();
+        let positions = caches.dims().1;
+        anyhow::ensure!(span < positions, "fused step: position {span} is past the caches' {positions}");
+        let (heads_i, kv_i, d_i, pos_i) = (heads as i32, kv_heads as i32, d as i32, positions as i32);
+        let (rows_i, hidden_i, ffn_i, one) = (n as i32, hidden as i32, ffn as i32, 1i32);
+        let small = n <= MAX_ROWS;
+        let q = tensor(alloc::<f32>(dev, n * q_dim)?, dev, (n, q_dim));
+        let attended = tensor(alloc::<f32>(dev, n * q_dim)?, dev, (n, q_dim));
+        let gated = tensor(alloc::<f32>(dev, n * ffn)?, dev, (n, ffn));
+        let normed = tensor(alloc::<f32>(dev, n * hidden)?, dev, (n, hidden));
+        let (sx, lx) = x.storage_and_layout();
+        let xv = view::<f32>(&sx, lx)?;
+        let (smeta, lmeta) = meta.storage_and_layout();
+        let metav = view::<u32>(&smeta, lmeta)?;
+        let (scos, lcos) = self.cos.storage_and_layout();
+        let cosv = view::<f32>(&scos, lcos)?;
+        let (ssin, lsin) = self.sin.storage_and_layout();
+        let sinv = view::<f32>(&ssin, lsin)?;
+        let (sq, lq) = q.storage_and_layout();
+        let qv = view::<f32>(&sq, lq)?;
+        let (sa, la) = attended.storage_and_layout();
+        let av = view::<f32>(&sa, la)?;
+        let (sg, lg) = gated.storage_and_layout();
+        let gv = view::<f32>(&sg, lg)?;
+        let (sn, ln) = normed.storage_and_layout();
+        let nv = view::<f32>(&sn, ln)?;
+        // A residual still to add to x (more rows): the last product's output.
+        let mut pending: Option<Tensor> = None;
+        // x += pending (if any), normed = rms_norm(x) * norm.
+        let add_norm = |pending: &Option<Tensor>, norm: &Tensor| -> anyhow::Result<()> {
+            let (sw, lw) = norm.storage_and_layout();
+            let wv = view::<f32>(&sw, lw)?;
+            let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let mut b = kernels.builder(&kernels.add_rms_norm);
+            let held = pending.as_ref().map(|t| t.storage_and_layout());
+            let delta = match &held {
+                Some((s, l)) => Some(view::<f32>(s, l)?),
+                None => None,
+            };
+            let has = i32::from(delta.is_some());
+            b.arg(&xv);
+            match &delta {
+                Some(dv) => b.arg(dv),
+                None => b.arg(&xv),
+            };
+            b.arg(&has).arg(&hidden_i).arg(&wv).arg(&eps).arg(&nv);
+            // SAFETY: rows x hidden floats in x, the delta and normed; hidden in the norm.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(())
+        };
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (ck, cv) = &caches.layers[l];
+            let (sk, lk) = ck.storage_and_layout();
+            let kv = view::<f32>(&sk, lk)?;
+            let (svc, lvc) = cv.storage_and_layout();
+            let vv = view::<f32>(&svc, lvc)?;
+            let wqkv = stacked(&layer.qkv)?;
+            if small {
+                let (sw, lw) = wqkv.storage_and_layout();
+                let wv = view::<f32>(&sw, lw)?;
+                let (snorm, lnorm) = layer.attn_norm.weight.storage_and_layout();
+                let normv = view::<f32>(&snorm, lnorm)?;
+                let mut b = kernels.builder(&kernels.gemv_qkv);
+                b.arg(&wv).arg(&xv).arg(&rows_i).arg(&hidden_i).arg(&normv).arg(&eps).arg(&metav).arg(&cosv).arg(&sinv);
+                b.arg(&qv).arg(&kv).arg(&vv).arg(&heads_i).arg(&kv_i).arg(&d_i).arg(&pos_i);
+                // SAFETY: the weights are width x hidden, x rows x hidden, q rows x q_dim; rows'
+                // slots and positions are inside the caches (checked above).
+                unsafe { b.launch(blocks(width / 2, 8)) }.w()?;
+            } else {
+                add_norm(&pending, &layer.attn_norm.weight)?;
+                let qkv = normed.matmul(&wqkv.t()?)?;
+                let (s, lq) = qkv.storage_and_layout();
+                let qkvv = view::<f32>(&s, lq)?;
+                let mut b = kernels.builder(&kernels.rope_store);
+                b.arg(&qkvv).arg(&rows_i).arg(&metav).arg(&cosv).arg(&sinv).arg(&qv).arg(&kv).arg(&vv);
+                b.arg(&heads_i).arg(&kv_i).arg(&d_i).arg(&pos_i);
+                let cfg = LaunchConfig { grid_dim: ((n * width / 2).div_ceil(THREADS as usize) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: as above, from a product of rows x width.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            {
+                let shared = ((d + 32 + span + THREADS as usize) * 4) as u32;
+                let cfg = LaunchConfig { grid_dim: (heads as u32, n as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: shared };
+                let scale = 1.0 / (d as f32).sqrt();
+                let mut b = kernels.builder(&kernels.attention);
+                b.arg(&qv).arg(&kv).arg(&vv).arg(&metav).arg(&av).arg(&heads_i).arg(&kv_i).arg(&d_i).arg(&pos_i).arg(&scale);
+                // SAFETY: every row's positions up to its own are inside its slot; the shared
+                // memory holds the longest row's scores.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            let wo = dense(&layer.attn_output)?;
+            let wgu = stacked(&layer.gate_up)?;
+            let wdown = dense(&layer.down)?;
+            if small {
+                self.gemv_add(kernels, wo, &av, n, q_dim, &xv, hidden)?;
+                let (sw, lw) = wgu.storage_and_layout();
+                let wv = view::<f32>(&sw, lw)?;
+                let (snorm, lnorm) = layer.ffn_norm.weight.storage_and_layout();
+                let normv = view::<f32>(&snorm, lnorm)?;
+                let mut b = kernels.builder(&kernels.gemv_gate_up);
+                b.arg(&wv).arg(&ffn_i).arg(&xv).arg(&rows_i).arg(&hidden_i).arg(&normv).arg(&eps).arg(&gv);
+                // SAFETY: the weights are 2 ffn x hidden, x rows x hidden, gated rows x ffn.
+                unsafe { b.launch(blocks(ffn, 8)) }.w()?;
+                self.gemv_add(kernels, wdown, &gv, n, ffn, &xv, hidden)?;
+            } else {
+                let delta = attended.matmul(&wo.t()?)?;
+                add_norm(&Some(delta), &layer.ffn_norm.weight)?;
+                let gu = normed.matmul(&wgu.t()?)?;
+                let (s, lgu) = gu.storage_and_layout();
+                let guv = view::<f32>(&s, lgu)?;
+                let mut b = kernels.builder(&kernels.silu_mul);
+                b.arg(&guv).arg(&rows_i).arg(&ffn_i).arg(&gv);
+                // SAFETY: rows x 2 ffn in, rows x ffn out.
+                unsafe { b.launch(blocks(n * ffn, THREADS as usize)) }.w()?;
+                pending = Some(gated.matmul(&wdown.t()?)?);
+            }
+        }
+        let output = dense(&self.output)?;
+        let vocab = output.dim(0)?;
+        let logits = if small {
+            let (sw, lw) = output.storage_and_layout();
+            let wv = view::<f32>(&sw, lw)?;
+            let (snorm, lnorm) = self.norm.weight.storage_and_layout();
+            let normv = view::<f32>(&snorm, lnorm)?;
+            let out = alloc::<f32>(dev, n * vocab)?;
+            let vocab_i = vocab as i32;
+            let mut b = kernels.builder(&kernels.gemv);
+            b.arg(&wv).arg(&vocab_i).arg(&xv).arg(&rows_i).arg(&hidden_i).arg(&normv).arg(&one).arg(&eps).arg(&out);
+            // SAFETY: the output matrix is vocab x hidden, x rows x hidden, out rows x vocab.
+            unsafe { b.launch(blocks(vocab, 8)) }.w()?;
+            tensor(out, dev, (n, vocab))
+        } else {
+            add_norm(&pending, &self.norm.weight)?;
+            normed.matmul(&output.t()?)?
+        };
+        drop(caches);
+        for row in rows.iter_mut() {
+            row.1.len += 1;
+        }
+        Ok(logits)
+    }
+
+    /// x += y · wᵀ for up to [`MAX_ROWS`] rows.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_add(&self, kernels: &Kernels, w: &Tensor, y: &CudaView<'_, f32>, rows: usize, n: usize, x: &CudaView<'_, f32>, outs: usize) -> anyhow::Result<()> {
+        let (sw, lw) = w.storage_and_layout();
+        let wv = view::<f32>(&sw, lw)?;
+        let (outs_i, rows_i, n_i) = (outs as i32, rows as i32, n as i32);
+        let mut b = kernels.builder(&kernels.gemv_add);
+        b.arg(&wv).arg(&outs_i).arg(y).arg(&rows_i).arg(&n_i).arg(x);
+        // SAFETY: w is outs x n, y rows x n, x rows x outs.
+        unsafe { b.launch(blocks(outs, 8)) }.w()?;
+        Ok(())
+    }
+}
