@@ -3,9 +3,12 @@
 //! With `--output-dir`, each transcript is written there (a directory's recordings keep their
 //! relative paths), and the run can be stopped and started again at will: what has a
 //! transcript is skipped, and the jobs a run submitted are in `.tern-transcribe.jsonl` there,
-//! so the next run waits for them rather than submitting them again. Files up to 8 MiB go
-//! inline with an idempotency key made of their content and options, so even a job whose
-//! submission was cut off before it was recorded is not made twice.
+//! so the next run waits for them rather than submitting them again. Every job has an
+//! idempotency key made of its file's content and options, so even a job whose submission was
+//! cut off before it was recorded is not made twice: files up to 8 MiB go inline, larger ones
+//! as uploads whose key is recorded before the job is submitted, so a run again names the same
+//! upload (the same request, a replay) instead of a new one (a conflict) and uploads nothing
+//! for a job already made.
 
 use crate::api::Api;
 use crate::output::Output;
@@ -114,15 +117,35 @@ fn with_extension(path: &Path, format: &str) -> PathBuf {
     p
 }
 
-/// The jobs earlier runs submitted, by idempotency key.
-fn load_state(dir: &Path) -> Result<HashMap<String, String>> {
+/// What earlier runs recorded in the output directory, by idempotency key: the jobs they
+/// submitted, and the uploads they made for jobs (recorded before submitting).
+#[derive(Default)]
+struct Recorded {
+    jobs: HashMap<String, String>,
+    uploads: HashMap<String, String>,
+}
+
+fn load_state(dir: &Path) -> Result<Recorded> {
     let path = dir.join(STATE_FILE);
-    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(HashMap::new()) };
-    Ok(text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter_map(|v| Some((v["key"].as_str()?.to_string(), v["job_id"].as_str()?.to_string())))
-        .collect())
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(Recorded::default()) };
+    let mut recorded = Recorded::default();
+    for v in text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()) {
+        let Some(key) = v["key"].as_str() else { continue };
+        if let Some(id) = v["job_id"].as_str() {
+            recorded.jobs.insert(key.to_string(), id.to_string());
+        } else if let Some(upload) = v["upload_key"].as_str() {
+            recorded.uploads.insert(key.to_string(), upload.to_string());
+        }
+    }
+    Ok(recorded)
+}
+
+fn record(file: &mut Option<std::fs::File>, line: Value) -> Result<()> {
+    if let Some(file) = file {
+        writeln!(file, "{line}")?;
+        file.flush()?;
+    }
+    Ok(())
 }
 
 pub async fn run(api: &Api, out: &Output, args: Args) -> Result<Outcome> {
@@ -139,7 +162,7 @@ pub async fn run(api: &Api, out: &Output, args: Args) -> Result<Outcome> {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             load_state(dir)?
         }
-        None => HashMap::new(),
+        None => Recorded::default(),
     };
     let mut state_file = match &args.output_dir {
         Some(dir) => Some(std::fs::OpenOptions::new().create(true).append(true).open(dir.join(STATE_FILE))?),
@@ -159,25 +182,39 @@ pub async fn run(api: &Api, out: &Output, args: Args) -> Result<Outcome> {
                 continue;
             }
         }
-        let (audio, key) = source_ref(api, &input.source, &options).await?;
-        let job_id = match known.get(&key) {
+        let (source, key) = read_source(&input.source, &options)?;
+        let job_id = match known.jobs.get(&key) {
             Some(id) if !finished_badly(api, id).await? => id.clone(),
             // None yet, or the last one failed: a new job (a fresh key, so it is not a replay).
             previous => {
-                let key = if previous.is_some() { format!("{key}.{}", uuid_suffix()) } else { key.clone() };
-                let mut request = json!({ "kind": "transcribe", "input": options.clone(), "idempotency_key": key });
-                request["input"]["audio"] = audio;
+                let job_key = if previous.is_some() { format!("{key}.{}", uuid_suffix()) } else { key.clone() };
+                let mut request = json!({ "kind": "transcribe", "input": options.clone(), "idempotency_key": job_key });
                 if let Some(p) = &args.priority {
                     request["priority"] = json!(p);
                 }
-                let job = api.post("/v1/jobs", &request).await.with_context(|| format!("submitting {}", input.label))?;
+                // An upload recorded for this key by a run cut off before its job was recorded:
+                // the same request again.
+                let recorded = known.uploads.get(&job_key).cloned();
+                let audio = match (&source, recorded) {
+                    (Audio::Upload(_), Some(upload_key)) => json!({ "upload_key": upload_key }),
+                    (Audio::Upload(bytes), None) => upload(api, bytes.clone(), &mut state_file, &input.label, &job_key).await?,
+                    (Audio::Inline(value), _) => value.clone(),
+                };
+                request["input"]["audio"] = audio;
+                let submitted = match api.post("/v1/jobs", &request).await {
+                    // The recorded upload is gone (expired, or never stored): upload it anew.
+                    Err(e) if is_upload_not_found(&e) && matches!(source, Audio::Upload(_)) => {
+                        let Audio::Upload(bytes) = &source else { unreachable!() };
+                        request["input"]["audio"] = upload(api, bytes.clone(), &mut state_file, &input.label, &job_key).await?;
+                        api.post("/v1/jobs", &request).await
+                    }
+                    other => other,
+                };
+                let job = submitted.with_context(|| format!("submitting {}", input.label))?;
                 job["id"].as_str().context("a job id")?.to_string()
             }
         };
-        if let Some(file) = &mut state_file {
-            writeln!(file, "{}", json!({ "input": input.label, "key": key, "job_id": job_id }))?;
-            file.flush()?;
-        }
+        record(&mut state_file, json!({ "input": input.label, "key": key, "job_id": job_id }))?;
         if !out.bars {
             out.note(&format!("submitted {}/{total}: {} as {job_id}", i + 1, input.label));
         }
@@ -236,27 +273,46 @@ pub async fn run(api: &Api, out: &Output, args: Args) -> Result<Outcome> {
     Ok(if failures > 0 { Outcome::JobFailed } else { Outcome::Ok })
 }
 
-/// The job input's file reference and the idempotency key for it with `options`.
-async fn source_ref(api: &Api, source: &Source, options: &Value) -> Result<(Value, String)> {
+/// A recording as the job will name it: inline (a URL, or a file of up to 8 MiB as base64), or
+/// the bytes of a larger file to upload.
+enum Audio {
+    Inline(Value),
+    Upload(Vec<u8>),
+}
+
+/// The recording and the idempotency key of its job with `options` (its content and options).
+fn read_source(source: &Source, options: &Value) -> Result<(Audio, String)> {
     let mut hash = Sha256::new();
     hash.update(options.to_string().as_bytes());
     match source {
         Source::Url(url) => {
             hash.update(url.as_bytes());
-            Ok((json!({ "url": url }), format!("tern-cli/transcribe/{}", hex::encode(hash.finalize()))))
+            Ok((Audio::Inline(json!({ "url": url })), format!("tern-cli/transcribe/{}", hex::encode(hash.finalize()))))
         }
         Source::File(path) => {
             let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
             hash.update(&bytes);
             let key = format!("tern-cli/transcribe/{}", hex::encode(hash.finalize()));
             if bytes.len() as u64 <= INLINE_MAX_BYTES {
-                return Ok((json!({ "base64": base64::engine::general_purpose::STANDARD.encode(&bytes) }), key));
+                return Ok((Audio::Inline(json!({ "base64": base64::engine::general_purpose::STANDARD.encode(&bytes) })), key));
             }
-            let upload = api.post("/v1/uploads", &json!({})).await?;
-            api.put_presigned(upload["url"].as_str().context("an upload URL")?, bytes).await?;
-            Ok((json!({ "upload_key": upload["upload_key"] }), key))
+            Ok((Audio::Upload(bytes), key))
         }
     }
+}
+
+/// Uploads `bytes` and records the upload under the job's idempotency key before the job is
+/// submitted; the job input's file reference.
+async fn upload(api: &Api, bytes: Vec<u8>, state_file: &mut Option<std::fs::File>, label: &str, job_key: &str) -> Result<Value> {
+    let upload = api.post("/v1/uploads", &json!({})).await?;
+    api.put_presigned(upload["url"].as_str().context("an upload URL")?, bytes).await?;
+    let upload_key = upload["upload_key"].as_str().context("an upload key")?;
+    record(state_file, json!({ "input": label, "key": job_key, "upload_key": upload_key }))?;
+    Ok(json!({ "upload_key": upload_key }))
+}
+
+fn is_upload_not_found(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<crate::api::ApiFailure>().is_some_and(|f| f.code == "upload_not_found")
 }
 
 /// Whether job `id` failed or was canceled (a run again submits it anew); a job that is gone

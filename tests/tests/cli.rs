@@ -209,3 +209,38 @@ async fn tern_runs_every_other_command() {
     let usage = tern(&cluster, &config, &["transcribe"]);
     assert_eq!(usage.status.code(), Some(2));
 }
+
+/// A recording over 8 MiB goes as an upload, recorded before its job is submitted: a run cut
+/// off between the submit and the record names the same upload again, so its job is a replay,
+/// not a conflict or a second job, and a run whose job is recorded uploads nothing.
+#[tokio::test]
+async fn a_large_recording_is_neither_uploaded_nor_submitted_twice_by_runs_again() {
+    let cluster = Cluster::start(&[]).await.unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let config = work.path().join("config.toml");
+    let recordings = work.path().join("recordings");
+    std::fs::create_dir_all(&recordings).unwrap();
+    // 300 s of 16-bit audio at 16 kHz: 9.6 MB.
+    let samples: Vec<f32> = (0..16_000 * 300).map(|i| 0.1 * (i as f32 * 0.05).sin()).collect();
+    std::fs::write(recordings.join("long.wav"), tern_e2e::wav_16k_mono(&samples)).unwrap();
+    let out = work.path().join("transcripts");
+    let (recordings_arg, out_arg) = (recordings.to_str().unwrap(), out.to_str().unwrap());
+    let state = out.join(".tern-transcribe.jsonl");
+    let recorded = |field: &str| std::fs::read_to_string(&state).unwrap().lines().filter(|l| l.contains(&format!("\"{field}\""))).count();
+    let run = || {
+        let output = tern(&cluster, &config, &["transcribe", recordings_arg, "--output-dir", out_arg, "--no-wait"]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        lines(&output)[0]["job_id"].as_str().unwrap().to_string()
+    };
+
+    let first = run();
+    assert_eq!((recorded("upload_key"), recorded("job_id")), (1, 1));
+    // Cut off after the submit, before the job was recorded.
+    let kept: Vec<String> = std::fs::read_to_string(&state).unwrap().lines().filter(|l| !l.contains("\"job_id\"")).map(String::from).collect();
+    std::fs::write(&state, kept.join("\n") + "\n").unwrap();
+    assert_eq!(run(), first, "the same upload, the same request: the job made before");
+    assert_eq!(recorded("upload_key"), 1, "nothing uploaded again");
+    assert_eq!(run(), first);
+    assert_eq!(recorded("upload_key"), 1, "a recorded job needs no upload");
+    assert_eq!(job_count(&cluster).await, 1);
+}

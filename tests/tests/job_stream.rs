@@ -269,7 +269,17 @@ async fn thousands_of_open_streams_cost_the_database_nothing_and_the_cap_answers
     .await;
 
     // While they wait: the database hears almost nothing from them (a poll each would be
-    // thousands of queries a second) and another tenant's reads stay quick.
+    // thousands of queries a second) and another tenant's reads stay quick. First the counts of
+    // the streams' opening reads land (a connection reports them when next used, or within 10 s
+    // idle): until a second passes with few new ones.
+    let mut last = commits(&cluster).await;
+    for _ in 0..20 {
+        let now = commits(&cluster).await;
+        if (now - last) as f64 <= idle * 1.2 + 20.0 {
+            break;
+        }
+        last = now;
+    }
     let (before, at) = (commits(&cluster).await, Instant::now());
     tokio::time::sleep(Duration::from_secs(3)).await;
     let per_second = (commits(&cluster).await - before) as f64 / at.elapsed().as_secs_f64();
@@ -328,4 +338,40 @@ async fn a_stream_ends_after_its_lifetime_and_resumes_where_it_left() {
     let states: Vec<&str> = rest.iter().filter(|e| e.event == "state").map(|e| e.data["state"].as_str().unwrap()).collect();
     assert_eq!(states, ["running", "succeeded"], "after the last event seen, nothing twice: {rest:?}");
     assert_eq!(rest.last().unwrap().data["state"], "succeeded");
+}
+
+/// A streamed chat whose job is retried mid-stream (its worker killed, its lease run out, the
+/// job run again elsewhere) ends with an error event `job_retried` rather than splicing the
+/// second attempt's text onto the first's.
+#[tokio::test]
+async fn a_streamed_chat_whose_job_is_retried_ends_with_job_retried() {
+    let lease = [("TERN_LEASE_MS", "2000"), ("TERN_WORKER_KINDS", "generate")];
+    let mut cluster = Cluster::start(&lease[..1]).await.unwrap();
+    let mut first_worker = cluster.spawn_worker(&lease).unwrap();
+    let mut response = cluster
+        .http
+        .post(cluster.url("/v1/chat/completions"))
+        .json(&json!({
+            "model": "x", "stream": true, "max_tokens": 2048, "temperature": 1.0, "seed": 7,
+            "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut text = String::new();
+    // Some of the first attempt's text, then its worker dies.
+    while !text.contains("\"content\"") {
+        let chunk = tokio::time::timeout(Duration::from_secs(120), response.chunk()).await.expect("text comes").unwrap().expect("the stream is open");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    first_worker.kill9();
+    let _second_worker = cluster.spawn_worker(&lease).unwrap();
+    let mut rest = String::new();
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(120), response.chunk()).await.expect("the stream goes on").unwrap() {
+        rest.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let last: Value = rest.lines().filter_map(|l| l.strip_prefix("data: ")).filter_map(|d| serde_json::from_str(d).ok()).last().expect("events after the kill");
+    assert_eq!(last["error"]["code"], "job_retried", "{rest}");
+    assert!(!rest.contains("[DONE]"), "the stream ends with the error");
 }

@@ -566,3 +566,41 @@ async fn a_hanging_receiver_holds_up_no_other_receiver() {
     assert_each_event_once(&quick.got(), 3);
     assert_eq!(hanging.requests(), 80, "each held delivery sent once");
 }
+
+/// A receiver that answers a redirect is a failed attempt, not a hop: the dispatcher follows no
+/// redirect (one could point it at an internal address the URL check refused), and the place
+/// the redirect names hears nothing.
+#[tokio::test]
+async fn a_redirect_is_a_failed_attempt_and_is_never_followed() {
+    let (target, target_url) = Receiver::start(vec![], None).await;
+    let hits = Arc::new(Mutex::new(0usize));
+    let app = {
+        let (hits, target_url) = (hits.clone(), target_url.clone());
+        axum::Router::new().route(
+            "/hook",
+            axum::routing::post(move || {
+                let (hits, target_url) = (hits.clone(), target_url.clone());
+                async move {
+                    *hits.lock().unwrap() += 1;
+                    (StatusCode::TEMPORARY_REDIRECT, [("location", target_url)])
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let redirecting = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let mut cluster = Cluster::start(&api_env("0,100,100")).await.unwrap();
+    let ids = cluster.submit_all(&[json!({"kind": "echo", "input": {}, "webhook": {"url": redirecting, "events": ["job.succeeded"]}})]).await.unwrap();
+    let _w = cluster.spawn_worker(&[]).unwrap();
+    cluster.wait_terminal(&ids, Duration::from_secs(30)).await.unwrap();
+    wait_deliveries_settled(&cluster, &ids, 1).await;
+
+    let history = deliveries(&cluster, ids[0]).await;
+    assert_ne!(history[0]["state"], "delivered", "{history:?}");
+    let attempts = history[0]["history"].as_array().unwrap();
+    assert!(!attempts.is_empty() && attempts.iter().all(|a| a["status"] == 307), "{attempts:?}");
+    assert_eq!(*hits.lock().unwrap(), attempts.len(), "each attempt reached the redirecting receiver once");
+    assert!(target.got().is_empty(), "the redirect's target heard nothing");
+}
