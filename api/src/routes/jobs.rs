@@ -376,6 +376,8 @@ fn parse_wait(wait: &str) -> Option<Duration> {
         (status = 200, description = "The job", body = openapi::Job),
         (status = 400, description = "`invalid_wait`: not whole seconds from 0 to 60", body = openapi::Error),
         (status = 404, description = "`not_found`: no such job of this tenant", body = openapi::Error),
+        (status = 429, description = "`too_many_streams`: with `wait`, this API key or this server has as many streams and waits open as allowed", body = openapi::Error,
+            headers(("Retry-After" = u64, description = "Seconds to wait before trying again"))),
     ),
     security(("bearer" = ["jobs:read"]), ("api_key" = ["jobs:read"])),
 )]
