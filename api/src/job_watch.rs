@@ -218,6 +218,15 @@ impl JobWatch {
             _ = sleep => false,
         }
     }
+
+    /// A live stream's wait before it looks again, at most `limit`: `every` while the job runs
+    /// (its progress is polled), else until the job changes. Returns whether the job must be
+    /// read again: it changed, or the wait was for news of a job not running and ran out (the
+    /// [`SAFETY_RECHECK`], or `limit`).
+    pub async fn pause(&mut self, running: bool, every: Duration, limit: Duration) -> bool {
+        let at_most = if running { every } else { SAFETY_RECHECK };
+        self.changed(at_most.min(limit)).await || !running
+    }
 }
 
 impl Drop for JobWatch {

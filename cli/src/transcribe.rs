@@ -201,14 +201,13 @@ pub async fn run(api: &Api, out: &Output, args: Args) -> Result<Outcome> {
                     (Audio::Inline(value), _) => value.clone(),
                 };
                 request["input"]["audio"] = audio;
-                let submitted = match api.post("/v1/jobs", &request).await {
+                let submitted = match (api.post("/v1/jobs", &request).await, &source) {
                     // The recorded upload is gone (expired, or never stored): upload it anew.
-                    Err(e) if is_upload_not_found(&e) && matches!(source, Audio::Upload(_)) => {
-                        let Audio::Upload(bytes) = &source else { unreachable!() };
+                    (Err(e), Audio::Upload(bytes)) if is_upload_not_found(&e) => {
                         request["input"]["audio"] = upload(api, bytes.clone(), &mut state_file, &input.label, &job_key).await?;
                         api.post("/v1/jobs", &request).await
                     }
-                    other => other,
+                    (other, _) => other,
                 };
                 let job = submitted.with_context(|| format!("submitting {}", input.label))?;
                 job["id"].as_str().context("a job id")?.to_string()

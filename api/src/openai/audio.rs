@@ -319,11 +319,11 @@ pub async fn translations(state: State<AppState>, caller: Caller, headers: Heade
 }
 
 async fn run(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>, task: &'static str) -> Result<Response, OpenAiError> {
-    let principal = caller.require("jobs:write")?.clone();
+    let principal = caller.require("jobs:write")?;
     let tenant = principal.tenant.clone();
     let (request, upload) = read(&state, &tenant, form, task).await?;
     let value = request.job_request(json!({ "upload_key": upload.key }));
-    let mut waited = submit_upload(&state, &principal, value, &headers, &upload).await?;
+    let mut waited = submit_upload(&state, principal, value, &headers, &upload).await?;
     let job_header = waited.header();
     if request.stream {
         // The transcript comes as the worker finishes windows (the text of the leading ones
@@ -571,7 +571,7 @@ mod tests {
 /// its `start` and `end` in seconds). Runs an `audio_embed` job; OpenAI's embeddings list, with
 /// the recording's vector at index 0 and usage in seconds of audio as for transcriptions.
 pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: HeaderMap, form: Result<Multipart, MultipartRejection>) -> Result<Response, OpenAiError> {
-    let principal = caller.require("jobs:write")?.clone();
+    let principal = caller.require("jobs:write")?;
     let tenant = principal.tenant.clone();
     let (mut base64, mut windows) = (false, false);
     let upload = read_form(&state, &tenant, form, |name, value| {
@@ -590,7 +590,7 @@ pub async fn embeddings(State(state): State<AppState>, caller: Caller, headers: 
     })
     .await?;
     let job = json!({ "kind": "audio_embed", "input": { "audio": { "upload_key": upload.key }, "windows": windows } });
-    let mut waited = submit_upload(&state, &principal, job, &headers, &upload).await?;
+    let mut waited = submit_upload(&state, principal, job, &headers, &upload).await?;
     let job_header = waited.header();
     let job = waited.finished().await?;
     let output = waited.output(&job).await?;

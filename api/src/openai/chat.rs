@@ -210,9 +210,9 @@ async fn complete(
     body: Result<Bytes, BytesRejection>,
     flavour: Flavour,
 ) -> Result<Response, OpenAiError> {
-    let principal = caller.require("jobs:write")?.clone();
+    let principal = caller.require("jobs:write")?;
     let request = Completion::parse(&crate::extract::json_value(body)?, flavour)?;
-    let mut waited = Waited::submit(&state, &principal, request.job_request(), &headers).await?;
+    let mut waited = Waited::submit(&state, principal, request.job_request(), &headers).await?;
     let job_header = waited.header();
     if request.stream {
         let streamed = Streamed { waited, flavour, model: request.model, sent: 0, attempt: None, include_usage: request.include_usage, done: false };

@@ -93,9 +93,9 @@ impl Embeddings {
 
 /// Create embeddings.
 pub async fn create(State(state): State<AppState>, caller: Caller, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, OpenAiError> {
-    let principal = caller.require("jobs:write")?.clone();
+    let principal = caller.require("jobs:write")?;
     let request = Embeddings::parse(&crate::extract::json_value(body)?)?;
-    let mut waited = Waited::submit(&state, &principal, request.job_request(), &headers).await?;
+    let mut waited = Waited::submit(&state, principal, request.job_request(), &headers).await?;
     let job_header = waited.header();
     let job = waited.finished().await?;
     let output = waited.output(&job).await?;

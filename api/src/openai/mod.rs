@@ -245,8 +245,7 @@ impl Waited {
     /// Waits before the next [`Self::poll`]: `every` while the job runs (its progress is
     /// polled), else until the job changes.
     pub async fn pause(&mut self, every: Duration) {
-        let at_most = if self.running { every } else { crate::job_watch::SAFETY_RECHECK };
-        if self.watch.changed(at_most).await || !self.running {
+        if self.watch.pause(self.running, every, crate::job_watch::SAFETY_RECHECK).await {
             self.stale = true;
         }
     }

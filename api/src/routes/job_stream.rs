@@ -134,8 +134,7 @@ impl Watch {
                         self.done = true;
                         return Vec::new();
                     }
-                    let at_most = if self.running.is_some() { POLL } else { crate::job_watch::SAFETY_RECHECK };
-                    if self.changes.changed(at_most.min(left)).await || self.running.is_none() {
+                    if self.changes.pause(self.running.is_some(), POLL, left).await {
                         self.stale = true;
                     }
                 }

@@ -263,11 +263,7 @@ impl BatchedLlama {
         let norm = norm(tensor("output_norm.weight")?)?;
         let (cos, sin) = cfg.rotary_tables(positions);
         let half = cfg.head_dim / 2;
-        #[cfg(feature = "cuda")]
-        let fused = layers.first().is_some_and(|l| fused_step::supports(&cfg, &l.qkv, device, positions)) && matches!(output, Matrix::Dense(_));
-        #[cfg(not(feature = "cuda"))]
-        let fused = false;
-        Ok(Some(BatchedLlama {
+        let batched = BatchedLlama {
             cos: Tensor::from_vec(cos, (positions, half), device)?,
             sin: Tensor::from_vec(sin, (positions, half), device)?,
             cfg,
@@ -277,10 +273,12 @@ impl BatchedLlama {
             output,
             device: device.clone(),
             caches: Arc::default(),
-            fused_step: fused.into(),
+            fused_step: false.into(),
             #[cfg(feature = "cuda")]
             kernels: Default::default(),
-        }))
+        };
+        batched.set_fused_step(true);
+        Ok(Some(batched))
     }
 
     /// Whether decoding steps run fused on a GPU (`fused_step`; the default where it serves the
@@ -288,19 +286,13 @@ impl BatchedLlama {
     /// fused step does not serve the model.
     pub(crate) fn set_fused_step(&self, on: bool) {
         #[cfg(feature = "cuda")]
-        let on = on && self.layers.first().is_some_and(|l| fused_step::supports(&self.cfg, &l.qkv, &self.device, self.positions())) && matches!(self.output, Matrix::Dense(_));
+        let on = on && fused_step::supports(self);
         #[cfg(not(feature = "cuda"))]
         let on = {
             let _ = on;
             false
         };
         self.fused_step.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Positions the rotary tables cover.
-    #[cfg(feature = "cuda")]
-    fn positions(&self) -> usize {
-        self.cos.dim(0).unwrap_or(0)
     }
 
     /// A place in the shared caches for one request of up to `capacity` positions.

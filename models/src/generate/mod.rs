@@ -275,6 +275,16 @@ pub struct BatchStats {
     pub text_secs: f64,
 }
 
+/// The PTX of a kernel source, compiled by NVRTC at its first use in the process and kept in
+/// `cell` (or the compiler's error, reported for `what` at every use).
+#[cfg(feature = "cuda")]
+pub(crate) fn nvrtc_once(cell: &'static std::sync::OnceLock<std::result::Result<String, String>>, source: &str, what: &str) -> candle_core::Result<&'static str> {
+    cell.get_or_init(|| candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(source).map(|p| p.to_src()).map_err(|e| format!("{e:?}")))
+        .as_ref()
+        .map(String::as_str)
+        .map_err(|e| candle_core::Error::Msg(format!("compiling {what}: {e}")))
+}
+
 /// The fused decoding step against candle's ops over the same steps ([`Llm::compare_fused_step`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct FusedStepCheck {

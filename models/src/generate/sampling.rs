@@ -204,14 +204,7 @@ impl CustomOp2 for PickTokens {
         use std::sync::OnceLock;
 
         static PTX: OnceLock<Result<String, String>> = OnceLock::new();
-        let ptx = PTX
-            .get_or_init(|| {
-                candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(include_str!("sampling.cu"))
-                    .map(|ptx| ptx.to_src())
-                    .map_err(|e| format!("{e:?}"))
-            })
-            .as_ref()
-            .map_err(|e| candle_core::Error::Msg(format!("compiling the sampling kernel: {e}")))?;
+        let ptx = super::nvrtc_once(&PTX, include_str!("sampling.cu"), "the sampling kernel")?;
         let (Some((a1, b1)), Some((a2, b2))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
             candle_core::bail!("pick_tokens: contiguous inputs only");
         };

@@ -48,12 +48,7 @@ pub(super) struct Kernels {
 
 fn ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(include_str!("fused_step.cu")).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
-    })
-    .as_ref()
-    .map(String::as_str)
-    .map_err(|e| candle_core::Error::Msg(format!("compiling the fused step's kernels: {e}")))
+    crate::generate::nvrtc_once(&PTX, include_str!("fused_step.cu"), "the fused step's kernels")
 }
 
 impl Kernels {
@@ -79,15 +74,19 @@ impl Kernels {
     }
 }
 
-/// Whether the fused step serves a model of this shape and these matrices.
-pub(super) fn supports(cfg: &Config, qkv: &Projections, device: &Device, positions: usize) -> bool {
+/// Whether the fused step serves this model: on a GPU, dense matrices (q, k and v stacked),
+/// widths that are multiples of 4, heads of at most 256 and rotary tables of at most
+/// [`MAX_POSITIONS`].
+pub(super) fn supports(llama: &BatchedLlama) -> bool {
+    let cfg = &llama.cfg;
     let widths = [cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim];
-    device.is_cuda()
-        && matches!(qkv, Projections::Stacked(..))
+    llama.device.is_cuda()
+        && llama.layers.first().is_some_and(|l| matches!(l.qkv, Projections::Stacked(..)))
+        && matches!(llama.output, Matrix::Dense(_))
         && widths.iter().all(|w| w % 4 == 0)
         && cfg.head_dim % 2 == 0
         && cfg.head_dim <= THREADS as usize
-        && positions <= MAX_POSITIONS
+        && llama.cos.dim(0).is_ok_and(|positions| positions <= MAX_POSITIONS)
 }
 
 /// The device memory of a contiguous tensor on a GPU.
