@@ -332,3 +332,112 @@ async fn thousands_of_jobs_survive_killed_workers_and_every_backing_service_fail
     assert_eq!(missing_webhooks, 0);
     assert!(kills >= 10);
 }
+
+/// Issue 36, item 5, as a fault: jobs whose starts are recorded only with their outcomes
+/// (`TERN_RECORD_START_AFTER_MS` longer than the job) are `queued` in Postgres while their
+/// workers run them; Redis is flushed meanwhile and the reconciler restores them. A restored job
+/// must not be handed to a second worker while the first may still run it, and the capped
+/// tenant's running count is rebuilt from the leases. Each job's run ends by fetching a URL of
+/// its own from this test, so a second execution is counted even where its settle is refused.
+#[tokio::test]
+async fn a_job_running_with_its_start_unrecorded_runs_once_when_redis_loses_its_data() {
+    const N: usize = 48;
+    const CAP: i64 = 6;
+    let redis = PrivateRedis::start(tern_e2e::free_port()).await;
+    let fetched: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let counter = {
+        let fetched = fetched.clone();
+        let app = axum::Router::new().route(
+            "/run/{tag}",
+            axum::routing::get(move |axum::extract::Path(tag): axum::extract::Path<String>| {
+                let fetched = fetched.clone();
+                async move {
+                    *fetched.lock().unwrap().entry(tag).or_default() += 1;
+                    "ran"
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/run", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        base
+    };
+
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    cluster.api.as_mut().unwrap().kill9();
+    let services = [("TERN_REDIS_URL", redis.url()), ("TERN_LEASE_MS", "2000".to_string())];
+    for (k, v) in &services {
+        cluster.set_api_env(k, v);
+    }
+    cluster.set_api_env("TERN_RECONCILE_INTERVAL_MS", "200");
+    cluster.start_api().await.unwrap();
+    let capped = cluster.client_for(&cluster.create_key("capped", "jobs:write").unwrap()).unwrap();
+    let resp = cluster.http.put(cluster.url("/v1/admin/tenants/capped")).json(&json!({"max_running": CAP})).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // Starts recorded only with the outcome: every run below is `queued` in Postgres throughout.
+    let worker_env: Vec<(&str, &str)> = services
+        .iter()
+        .map(|(k, v)| (*k, v.as_str()))
+        .chain([("TERN_WORKER_KINDS", "echo"), ("TERN_RECORD_START_AFTER_MS", "30000"), ("TERN_CONCURRENCY", "8")])
+        .collect();
+    let _workers: Vec<Process> = (0..2).map(|_| cluster.spawn_worker(&worker_env).unwrap()).collect();
+
+    // Runs of 700 ms end before the worker's first heartbeat (half a lease), so a worker can
+    // finish and settle a job Redis has forgotten without ever hearing its lease is lost.
+    let jobs: Vec<Value> = (0..N)
+        .map(|i| json!({"kind": "echo", "input": {"sleep_ms": 700, "file": {"url": format!("{counter}/{i}")}}, "max_attempts": 5}))
+        .collect();
+    let resp = capped.post(cluster.url("/v1/jobs/batch")).json(&json!({ "jobs": jobs })).send().await.unwrap();
+    assert_eq!(resp.status(), 201);
+    let body: Value = resp.json().await.unwrap();
+    let ids: Vec<Uuid> = body["jobs"].as_array().unwrap().iter().map(|j| j["id"].as_str().unwrap().parse().unwrap()).collect();
+
+    // Flush twice, each time while a wave of CAP jobs is mid-run.
+    let mut flushed_running = Vec::new();
+    for _ in 0..2 {
+        let mut c = redis.connection().await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let running: Option<i64> =
+                redis::cmd("HGET").arg(format!("{}:{{echo}}:running", cluster.redis_prefix)).arg("capped").query_async(&mut c).await.unwrap();
+            if running.unwrap_or(0) >= CAP {
+                flushed_running.push(running.unwrap_or(0));
+                break;
+            }
+            assert!(Instant::now() < deadline, "the capped tenant never had {CAP} jobs running");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+
+    let states = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
+    assert_eq!(states.get("succeeded").copied(), Some(N as i64), "{states:?}");
+    let twice: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
+         WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state IN ('succeeded', 'failed', 'canceled')) <> 1",
+    )
+    .bind(&ids)
+    .fetch_one(&cluster.pg)
+    .await
+    .unwrap();
+    assert_eq!(twice, 0, "a job without exactly one end");
+    // A run stopped when its worker heard the lease was lost ends before its fetch; every run
+    // that reached its end fetched once.
+    let fetched = fetched.lock().unwrap().clone();
+    let runs: Vec<usize> = (0..N).map(|i| fetched.get(&i.to_string()).copied().unwrap_or(0)).collect();
+    let more_than_once: Vec<usize> = (0..N).filter(|&i| runs[i] > 1).collect();
+    println!("flushed with {flushed_running:?} running; runs per job {runs:?}");
+    assert!(more_than_once.is_empty(), "jobs run to their end more than once: {more_than_once:?} ({runs:?})");
+    assert!(runs.iter().all(|&r| r == 1), "every job ran to its end once: {runs:?}");
+
+    // The tenant's running count came back to nothing: rebuilt from the leases, not left high.
+    let mut c = redis.connection().await.unwrap();
+    let running: Option<i64> =
+        redis::cmd("HGET").arg(format!("{}:{{echo}}:running", cluster.redis_prefix)).arg("capped").query_async(&mut c).await.unwrap();
+    assert_eq!(running.unwrap_or(0), 0, "the capped tenant's running count after every job ended");
+    let default_running: Option<i64> =
+        redis::cmd("HGET").arg(format!("{}:{{echo}}:running", cluster.redis_prefix)).arg("default").query_async(&mut c).await.unwrap();
+    assert!(default_running.unwrap_or(0) >= 0, "tenant default counted leases off it never held: {default_running:?}");
+}
