@@ -296,7 +296,11 @@ fn load(family: Family, dir: &Path, device: &Device, precision: Precision) -> an
             Model::Embedder(Embedder::load_in(dir, device, Precision::Auto)?)
         }
         Family::Embedder => Model::Embedder(Embedder::load_in(dir, device, precision)?),
-        Family::Llm => Model::Llm(Llm::load_gguf(dir, device)?),
+        Family::Llm => {
+            let llm = Llm::load_gguf(dir, device)?;
+            llm.set_precision(precision);
+            Model::Llm(llm)
+        }
     })
 }
 

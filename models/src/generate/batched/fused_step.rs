@@ -7,18 +7,23 @@
 //! - up to [`MAX_ROWS`] rows: the matrix products are tern's own matrix-vector kernels, which
 //!   also apply the RMS norm before them, the rotation and cache stores, SiLU gating and the
 //!   residual sum after them, so a layer is five kernels;
-//! - more rows: cuBLAS products (compute-bound there), with the norm and residual sum as one
-//!   kernel and the gating as another, so a layer is nine.
+//! - more rows: cuBLAS products (compute-bound there) into buffers the step allocates once, the
+//!   output and down products adding straight into the residual stream, with the norm as one
+//!   kernel and the gating as another, so a layer is eight.
 //!
 //! F32 throughout, as the unfused step: the two differ only in the order of additions
-//! (`tern-bench-models --only step-check` measures by how much). Only for dense weights
+//! (`tern-bench-models --only step-check` measures by how much), except the cuBLAS products of
+//! steps of more than [`MAX_ROWS`] rows where [`BatchedLlama::set_tf32_products`] asks for TF32
+//! tensor cores (F32 in and out, inputs rounded to 10 bits of mantissa, F32 sums; the default on a
+//! GPU, as llama.cpp's own CUDA products round activations further). Only for dense weights
 //! ([`super::WeightLayout::Dense`]) whose widths are multiples of 4 and heads of at most 256.
 
 use std::sync::OnceLock;
 
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdeviceptr;
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, Device, Layout, Module, Result, Shape, Storage, Tensor};
@@ -156,6 +161,8 @@ impl BatchedLlama {
         let attended = tensor(alloc::<f32>(dev, n * q_dim)?, dev, (n, q_dim));
         let gated = tensor(alloc::<f32>(dev, n * ffn)?, dev, (n, ffn));
         let normed = tensor(alloc::<f32>(dev, n * hidden)?, dev, (n, hidden));
+        // The cuBLAS products' outputs, reused by every layer (more rows only).
+        let (qkv_out, gu_out) = if small { (None, None) } else { (Some(alloc::<f32>(dev, n * width)?), Some(alloc::<f32>(dev, n * 2 * ffn)?)) };
         let (sx, lx) = x.storage_and_layout();
         let xv = view::<f32>(&sx, lx)?;
         let (smeta, lmeta) = meta.storage_and_layout();
@@ -172,26 +179,15 @@ impl BatchedLlama {
         let gv = view::<f32>(&sg, lg)?;
         let (sn, ln) = normed.storage_and_layout();
         let nv = view::<f32>(&sn, ln)?;
-        // A residual still to add to x (more rows): the last product's output.
-        let mut pending: Option<Tensor> = None;
-        // x += pending (if any), normed = rms_norm(x) * norm.
-        let add_norm = |pending: &Option<Tensor>, norm: &Tensor| -> anyhow::Result<()> {
+        // normed = rms_norm(x) * norm (more rows; the residual sums are in x already: the
+        // products add into it).
+        let norm_x = |norm: &Tensor| -> anyhow::Result<()> {
             let (sw, lw) = norm.storage_and_layout();
             let wv = view::<f32>(&sw, lw)?;
             let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
             let mut b = kernels.builder(&kernels.add_rms_norm);
-            let held = pending.as_ref().map(|t| t.storage_and_layout());
-            let delta = match &held {
-                Some((s, l)) => Some(view::<f32>(s, l)?),
-                None => None,
-            };
-            let has = i32::from(delta.is_some());
-            b.arg(&xv);
-            match &delta {
-                Some(dv) => b.arg(dv),
-                None => b.arg(&xv),
-            };
-            b.arg(&has).arg(&hidden_i).arg(&wv).arg(&eps).arg(&nv);
+            let has = 0i32;
+            b.arg(&xv).arg(&xv).arg(&has).arg(&hidden_i).arg(&wv).arg(&eps).arg(&nv);
             // SAFETY: rows x hidden floats in x, the delta and normed; hidden in the norm.
             unsafe { b.launch(cfg) }.w()?;
             Ok(())
@@ -216,12 +212,11 @@ impl BatchedLlama {
                 // slots and positions are inside the caches (checked above).
                 unsafe { b.launch(blocks(width / 2, 8)) }.w()?;
             } else {
-                add_norm(&pending, &layer.attn_norm.weight)?;
-                let qkv = normed.matmul(&wqkv.t()?)?;
-                let (s, lq) = qkv.storage_and_layout();
-                let qkvv = view::<f32>(&s, lq)?;
+                norm_x(&layer.attn_norm.weight)?;
+                let qkv = qkv_out.as_ref().expect("more rows");
+                self.product(dev, &nv, wqkv, qkv.device_ptr(&kernels.stream).0, n, false)?;
                 let mut b = kernels.builder(&kernels.rope_store);
-                b.arg(&qkvv).arg(&rows_i).arg(&metav).arg(&cosv).arg(&sinv).arg(&qv).arg(&kv).arg(&vv);
+                b.arg(qkv).arg(&rows_i).arg(&metav).arg(&cosv).arg(&sinv).arg(&qv).arg(&kv).arg(&vv);
                 b.arg(&heads_i).arg(&kv_i).arg(&d_i).arg(&pos_i);
                 let cfg = LaunchConfig { grid_dim: ((n * width / 2).div_ceil(THREADS as usize) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
                 // SAFETY: as above, from a product of rows x width.
@@ -252,16 +247,16 @@ impl BatchedLlama {
                 unsafe { b.launch(blocks(ffn, 8)) }.w()?;
                 self.gemv_add(kernels, wdown, &gv, n, ffn, &xv, hidden)?;
             } else {
-                let delta = attended.matmul(&wo.t()?)?;
-                add_norm(&Some(delta), &layer.ffn_norm.weight)?;
-                let gu = normed.matmul(&wgu.t()?)?;
-                let (s, lgu) = gu.storage_and_layout();
-                let guv = view::<f32>(&s, lgu)?;
+                let x_ptr = xv.device_ptr(&kernels.stream).0;
+                self.product(dev, &av, wo, x_ptr, n, true)?;
+                norm_x(&layer.ffn_norm.weight)?;
+                let gu = gu_out.as_ref().expect("more rows");
+                self.product(dev, &nv, wgu, gu.device_ptr(&kernels.stream).0, n, false)?;
                 let mut b = kernels.builder(&kernels.silu_mul);
-                b.arg(&guv).arg(&rows_i).arg(&ffn_i).arg(&gv);
+                b.arg(gu).arg(&rows_i).arg(&ffn_i).arg(&gv);
                 // SAFETY: rows x 2 ffn in, rows x ffn out.
                 unsafe { b.launch(blocks(n * ffn, THREADS as usize)) }.w()?;
-                pending = Some(gated.matmul(&wdown.t()?)?);
+                self.product(dev, &gv, wdown, x_ptr, n, true)?;
             }
         }
         let output = dense(&self.output)?;
@@ -279,14 +274,66 @@ impl BatchedLlama {
             unsafe { b.launch(blocks(vocab, 8)) }.w()?;
             tensor(out, dev, (n, vocab))
         } else {
-            add_norm(&pending, &self.norm.weight)?;
-            normed.matmul(&output.t()?)?
+            norm_x(&self.norm.weight)?;
+            let out = alloc::<f32>(dev, n * vocab)?;
+            self.product(dev, &nv, output, out.device_ptr(&kernels.stream).0, n, false)?;
+            tensor(out, dev, (n, vocab))
         };
         drop(caches);
         for row in rows.iter_mut() {
             row.1.len += 1;
         }
         Ok(logits)
+    }
+
+    /// `out = a · wᵀ` (or `out += a · wᵀ` with `accumulate`) for `a` rows x k and `w` outs x k,
+    /// F32 and contiguous, `out` rows x outs on the device, by cuBLAS on the step's stream: F32
+    /// products, or TF32 tensor-core ones where [`BatchedLlama::set_tf32_products`] is on. The
+    /// output is the caller's buffer (reused by every layer, or the residual stream itself), so
+    /// a step allocates no tensor per product.
+    fn product(&self, dev: &CudaDevice, a: &CudaView<'_, f32>, w: &Tensor, out: CUdeviceptr, rows: usize, accumulate: bool) -> anyhow::Result<()> {
+        use candle_core::cuda_backend::cudarc::cublas::{result::gemm_ex, sys};
+        let (outs, k) = w.dims2()?;
+        anyhow::ensure!(a.len() == rows * k, "fused step: a product of {} values by {outs}x{k}", a.len());
+        let compute = if self.tf32_products.load(std::sync::atomic::Ordering::Relaxed) {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let (sw, lw) = w.storage_and_layout();
+        let wv = view::<f32>(&sw, lw)?;
+        let blas = dev.cublas_handle();
+        let stream = dev.cuda_stream();
+        let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let (ap, _ga) = a.device_ptr(&stream);
+        let (wp, _gw) = wv.device_ptr(&stream);
+        // Row-major out (rows x outs) is column-major outs x rows = wᵀ(col-major k x outs)ᵀ · a.
+        // SAFETY: w holds outs x k floats, a rows x k, out rows x outs (the caller's), all used
+        // on this one stream in order.
+        unsafe {
+            gemm_ex(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                outs as i32,
+                rows as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                wp as *const _,
+                sys::cudaDataType_t::CUDA_R_32F,
+                k as i32,
+                ap as *const _,
+                sys::cudaDataType_t::CUDA_R_32F,
+                k as i32,
+                &beta as *const f32 as *const _,
+                out as *mut _,
+                sys::cudaDataType_t::CUDA_R_32F,
+                outs as i32,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }
+        .map_err(|e| anyhow::anyhow!("fused step: cuBLAS product: {e:?}"))
     }
 
     /// x += y · wᵀ for up to [`MAX_ROWS`] rows.
