@@ -21,6 +21,7 @@ use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 
 mod batched;
+pub mod family;
 mod llama;
 pub mod sampling;
 use batched::BatchedLlama;

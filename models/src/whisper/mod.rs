@@ -7,6 +7,7 @@
 //! `tests/whisper_parity.rs`, holds them to it).
 
 mod attention;
+pub mod family;
 mod ct2;
 mod decode;
 mod decoder;

@@ -9,10 +9,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tern_models::embed::Embedder;
-use tern_models::generate::Llm;
+use tern_models::family::{FamilyModel, LoadSettings};
 use tern_models::precision::Precision;
-use tern_models::whisper::Whisper;
 
 /// The model families a worker runs; a batch never mixes families (or models).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -37,13 +35,19 @@ impl Family {
             JobKind::Generate => Some(Family::Llm),
         }
     }
+
+    /// The family's plug-in: how its models load, warm up and check their health.
+    pub fn plugin(self) -> &'static dyn tern_models::family::Family {
+        match self {
+            Family::Whisper => &tern_models::whisper::family::FAMILY,
+            Family::Embedder => &tern_models::embed::family::FAMILY,
+            Family::Llm => &tern_models::generate::family::FAMILY,
+        }
+    }
 }
 
-pub enum Model {
-    Whisper(Whisper),
-    Embedder(Embedder),
-    Llm(Llm),
-}
+/// A loaded model of any family.
+pub type Model = Box<dyn FamilyModel>;
 
 struct Entry {
     model: Model,
@@ -106,7 +110,8 @@ impl ModelCache {
         report: Arc<Mutex<CacheReport>>,
     ) -> ModelCache {
         report.lock().expect("not poisoned").budget_bytes = budget;
-        let source = Source { dir, runtime, device, precision, warmup_windows, warmup_beams, probe };
+        let settings = LoadSettings { device, precision, warmup_windows, warmup_beams };
+        let source = Source { dir, runtime, settings, probe };
         ModelCache { source, budget, entries: HashMap::new(), clock: 0, report }
     }
 
@@ -220,13 +225,8 @@ pub struct Source {
     dir: PathBuf,
     /// Runs hub downloads (async HTTP) from threads outside the runtime.
     runtime: tokio::runtime::Handle,
-    device: Device,
-    /// Whisper's precision (see [`Precision`]).
-    precision: Precision,
-    /// Windows of the Whisper warmup batch: the largest batch the worker runs.
-    warmup_windows: usize,
-    /// Hypotheses a window decodes in that warmup: the worker's default beam size.
-    warmup_beams: usize,
+    /// The device, precision and warmup sizes models load with.
+    settings: LoadSettings,
     /// Measures each warmup's working memory.
     probe: MemoryProbe,
 }
@@ -241,7 +241,7 @@ impl Source {
         } else {
             self.dir.join(name)
         };
-        let estimate = estimate_bytes(family, &dir, self.precision.dtype(&self.device)).map_err(|e| unavailable(format!("{e:#}")))?;
+        let estimate = family.plugin().estimate_bytes(&dir, &self.settings).map_err(|e| unavailable(format!("{e:#}")))?;
         if estimate > budget {
             return Err(unavailable(format!(
                 "it needs about {estimate} bytes; the worker's memory budget is {budget} bytes (TERN_MEMORY_BUDGET)"
@@ -253,90 +253,20 @@ impl Source {
     /// Loads and warms up the model in `dir`, measuring its working memory per cost unit.
     pub fn load(&self, family: Family, name: &str, dir: &Path) -> Result<Loaded, EngineError> {
         let started = Instant::now();
-        let loaded = load(family, dir, &self.device, self.precision).and_then(|mut model| {
-            let unit_bytes = warmup(&mut model, self.warmup_windows, self.warmup_beams, &self.probe).map_err(|e| e.context("warmup failed"))?;
+        let loaded = family.plugin().load(dir, &self.settings).and_then(|mut model| {
+            // The working memory per cost unit, as the probe measures it: the fall of the
+            // device's free memory on a GPU, the growth of the peak resident set on the CPU.
+            let unit_bytes = self.probe.measure(&mut || model.warm_up(&self.settings)).map_err(|e| e.context("warmup failed"))?;
             Ok((model, unit_bytes))
         });
         let (model, unit_bytes) = loaded.map_err(|e| {
             tracing::error!(model = %name, error = format!("{e:#}"), "model refused");
             EngineError::ModelUnavailable { model: name.to_string(), reason: format!("{e:#}") }
         })?;
-        let bytes = match &model {
-            Model::Whisper(m) => m.weights_bytes(),
-            Model::Embedder(m) => m.weights_bytes(),
-            Model::Llm(m) => m.weights_bytes(),
-        };
+        let bytes = model.resident_bytes();
         let load_ms = started.elapsed().as_millis() as u64;
         metrics::histogram!("tern_model_load_seconds", "model" => name.to_string()).record(started.elapsed().as_secs_f64());
         tracing::info!(model = %name, ?family, bytes, unit_bytes, load_ms, "model loaded and warmed up");
         Ok(Loaded { model, family, bytes, unit_bytes, load_ms })
     }
-}
-
-/// Weights' size before loading, from the files: CTranslate2 Whisper files hold F16 weights
-/// (twice the file in F32, as stored in F16); safetensors (F32) and GGUF load as stored.
-fn estimate_bytes(family: Family, dir: &Path, whisper_dtype: candle_core::DType) -> anyhow::Result<u64> {
-    use anyhow::Context;
-    let (file, factor) = match family {
-        Family::Whisper => ("model.bin", whisper_dtype.size_in_bytes() as u64 / 2),
-        Family::Embedder => ("model.safetensors", 1),
-        Family::Llm => ("model.gguf", 1),
-    };
-    let path = dir.join(file);
-    let len = std::fs::metadata(&path).with_context(|| format!("reading {}", path.display()))?.len();
-    Ok(len * factor)
-}
-
-fn load(family: Family, dir: &Path, device: &Device, precision: Precision) -> anyhow::Result<Model> {
-    Ok(match family {
-        Family::Whisper => Model::Whisper(Whisper::load_ct2_in(dir, device, precision)?),
-        // Half precision on the CPU is for Whisper only: candle's CPU kernels are slow at it,
-        // and the embedder's fast path there is F32 (with BF16 products when chosen).
-        Family::Embedder if device.is_cpu() && matches!(precision, Precision::F16 | Precision::Bf16) => {
-            Model::Embedder(Embedder::load_in(dir, device, Precision::Auto)?)
-        }
-        Family::Embedder => Model::Embedder(Embedder::load_in(dir, device, precision)?),
-        Family::Llm => {
-            let llm = Llm::load_gguf(dir, device)?;
-            llm.set_precision(precision);
-            Model::Llm(llm)
-        }
-    })
-}
-
-/// Tokens in the embedding warmup batch: 8 texts of about 64 tokens.
-const EMBED_WARMUP_TEXTS: usize = 8;
-/// Tokens generated in the LLM warmup after a short prompt.
-const LLM_WARMUP_TOKENS: usize = 8;
-
-/// Runs a batch through the model and returns the peak working memory per cost unit it took
-/// (bytes per window or per token), as `probe` measures it: the fall of the device's free
-/// memory on a GPU, the growth of the process's peak resident set on the CPU. Whisper runs the
-/// largest batch the worker starts with (`windows` full 30 s windows: about 2.5 s for tiny.en
-/// on 2 AVX-512 cores), so a model that cannot hold it is refused at load, and its working
-/// memory is already mapped (and kept, see `tern_models::allocator`) when the first real batch
-/// comes.
-fn warmup(model: &mut Model, windows: usize, beams: usize, probe: &MemoryProbe) -> anyhow::Result<u64> {
-    probe.measure(&mut || {
-        Ok(match model {
-            Model::Whisper(m) => {
-                m.warmup(windows, beams)?;
-                windows as u64
-            }
-            Model::Embedder(m) => {
-                let text = "tern warms this model up with a sentence of about sixty four tokens. ".repeat(4);
-                let texts: Vec<&str> = (0..EMBED_WARMUP_TEXTS).map(|_| text.as_str()).collect();
-                let v = m.embed(&texts)?;
-                anyhow::ensure!(v.iter().flatten().all(|x| x.is_finite()), "non-finite embedding");
-                m.count_tokens(&texts)?.iter().sum::<usize>() as u64
-            }
-            Model::Llm(m) => {
-                use tern_models::generate::{GenerateOptions, Prompt};
-                let prompt = Prompt::Text("tern warmup".into());
-                let opts = GenerateOptions { max_tokens: LLM_WARMUP_TOKENS, temperature: 0.0, ..Default::default() };
-                let g = m.generate(&prompt, &opts, &mut |_, _| true)?;
-                (g.prompt_tokens + g.completion_tokens) as u64
-            }
-        })
-    })
 }

@@ -37,26 +37,6 @@ fn parse(name: &str) -> Result<HubModel<'_>> {
     Ok(HubModel { repo, revision, file })
 }
 
-/// (file in the repository, name in the local folder) of what a family loads.
-fn files(family: Family, model: &HubModel) -> Result<Vec<(String, &'static str)>> {
-    Ok(match family {
-        Family::Whisper => vec![
-            ("model.bin".into(), "model.bin"),
-            ("config.json".into(), "config.json"),
-            ("tokenizer.json".into(), "tokenizer.json"),
-        ],
-        Family::Embedder => vec![
-            ("config.json".into(), "config.json"),
-            ("tokenizer.json".into(), "tokenizer.json"),
-            ("model.safetensors".into(), "model.safetensors"),
-        ],
-        Family::Llm => match model.file {
-            Some(f) => vec![(f.to_string(), "model.gguf")],
-            None => bail!("name the GGUF file to load: hf:{}/FILE.gguf", model.repo),
-        },
-    })
-}
-
 /// The local folder holding the hub model `name`, downloading what is missing.
 pub fn fetch(models_dir: &Path, name: &str, family: Family, runtime: &tokio::runtime::Handle) -> Result<PathBuf> {
     let model = parse(name)?;
@@ -65,7 +45,7 @@ pub fn fetch(models_dir: &Path, name: &str, family: Family, runtime: &tokio::run
     let dir = models_dir.join("hf").join(folder);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let http = reqwest::Client::new();
-    for (remote, local) in files(family, &model)? {
+    for (remote, local) in family.plugin().hub_files(model.repo, model.file)? {
         let target = dir.join(local);
         if target.is_file() {
             continue;

@@ -49,6 +49,11 @@ impl ModelNames {
     }
 }
 
+/// A model the cache returned for a family, as that family's type.
+fn downcast<T: 'static>(model: &mut Model) -> &mut T {
+    model.as_any_mut().downcast_mut::<T>().expect("the cache returns the family asked for")
+}
+
 /// The model serving `family` now.
 fn current(names: &Mutex<ModelNames>, family: Family) -> String {
     names.lock().expect("not poisoned").of(family).to_string()
@@ -536,8 +541,7 @@ impl Thread {
         let mut unit = 0;
         while !pending.is_empty() {
             let (model, unit_bytes) = match self.cache.get(Family::Whisper, &name) {
-                Ok((Model::Whisper(m), unit)) => (m, unit),
-                Ok(_) => unreachable!("the cache returns the family asked for"),
+                Ok((m, unit)) => (downcast::<tern_models::whisper::Whisper>(m), unit),
                 Err(e) => {
                     for r in pending {
                         if let Request::Transcribe { reply, .. } = r {
@@ -666,8 +670,7 @@ impl Thread {
         .min(self.caps.embed_tokens);
         let (result, unit) = loop {
             let (model, unit_bytes) = match self.cache.get(Family::Embedder, &name) {
-                Ok((Model::Embedder(m), unit)) => (m, unit),
-                Ok(_) => unreachable!("the cache returns the family asked for"),
+                Ok((m, unit)) => (downcast::<tern_models::embed::Embedder>(m), unit),
                 Err(e) => {
                     jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
                     return;
@@ -716,8 +719,7 @@ impl Thread {
     fn generate(&mut self, group: Vec<Request>, rx: &mpsc::Receiver<Request>) {
         let name = self.name_of(Family::Llm);
         let model = match self.cache.get(Family::Llm, &name) {
-            Ok((Model::Llm(m), _)) => m,
-            Ok(_) => unreachable!("the cache returns the family asked for"),
+            Ok((m, _)) => downcast::<tern_models::generate::Llm>(m),
             Err(e) => {
                 for r in group {
                     if let Request::Generate { reply, .. } = r {

@@ -5,6 +5,8 @@
 //! is switched off), sorted by length and run in sub-batches padded to their longest text, so a
 //! batch of short texts costs short sequences.
 
+pub mod family;
+
 use std::path::Path;
 
 use anyhow::{anyhow, Context, Result};
