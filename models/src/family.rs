@@ -2,13 +2,15 @@
 //! swap need of a family, so that they work on this interface alone.
 //!
 //! A family is a folder under `models/src/` holding the model and its `family.rs`, which
-//! implements [`Family`] (how a model folder loads, what it weighs) and [`FamilyModel`] on the
-//! loaded model (its warmup, whose working memory the worker measures to size batches, and its
-//! health check), and one line in [`FAMILIES`]. The worker maps job kinds to families
-//! (`worker/src/kinds/`).
+//! implements [`Family`] (how a model folder loads, what it weighs, how its batches are sized)
+//! and [`FamilyModel`] on the loaded model (its warmup, whose working memory the worker measures
+//! to size batches, its health check, and running a batch of its requests through [`BatchRun`],
+//! what the worker's model thread offers a batch), and one line in [`FAMILIES`]. The worker maps
+//! job kinds to families (`worker/src/kinds/`).
 
 use std::any::Any;
 use std::path::Path;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -48,6 +50,77 @@ pub trait Family: Send + Sync + 'static {
     fn estimate_bytes(&self, dir: &Path, settings: &LoadSettings) -> Result<u64>;
     /// Loads the model in `dir` onto `settings.device`.
     fn load(&self, dir: &Path, settings: &LoadSettings) -> Result<Box<dyn FamilyModel>>;
+    /// How the worker sizes this family's batches.
+    fn budget(&self) -> BudgetRule;
+    /// Answers `work` (this family's request) with `error` without running it: the model could
+    /// not be loaded.
+    fn refuse(&self, work: Work, error: WorkError, model: &str);
+}
+
+/// How a family's batches are sized, in its cost units.
+#[derive(Debug, Clone, Copy)]
+pub struct BudgetRule {
+    /// The budget until a warmup has measured what fits (or for good, if not `calibrated`).
+    pub initial: usize,
+    /// Whether the budget follows the memory free after each batch, within the ceilings.
+    pub calibrated: bool,
+    /// Largest calibrated budget on the CPU, where more stops paying.
+    pub cpu_ceiling: usize,
+    /// Largest calibrated budget on a GPU, where memory is the bound.
+    pub device_ceiling: usize,
+}
+
+/// A request for a family's model: that family's own type (say
+/// [`crate::whisper::family::TranscribeWork`]), boxed. Each carries its own reply.
+pub type Work = Box<dyn Any + Send>;
+
+/// Why a request was not served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkError {
+    /// The model refused the input (code such as `context_length_exceeded`): retrying cannot
+    /// help.
+    Rejected { code: &'static str, message: String },
+    /// Inference failed, or the model could not be loaded (`code`, as the worker reports it).
+    Failed { code: &'static str, message: String },
+}
+
+impl WorkError {
+    /// Inference failed: code `inference_failed`.
+    pub fn inference(message: impl Into<String>) -> WorkError {
+        WorkError::Failed { code: "inference_failed", message: message.into() }
+    }
+}
+
+/// What the worker's model thread offers a running batch of one family.
+pub trait BatchRun {
+    /// The name of the model serving the batch (replies say which model served them).
+    fn model_name(&self) -> &str;
+    /// Requests of this family that arrived since the last call; none once a request of another
+    /// family or a model swap waits for the model thread (the batch should then drain).
+    fn arrivals(&mut self) -> Vec<Work>;
+    /// The cost units a batch may take now: the configured or calibrated budget, under the cap.
+    fn units(&self) -> usize;
+    /// Half of the last batch that ran out of memory (unbounded until one does).
+    fn cap(&self) -> usize;
+    /// Whether batches are sized by a GPU's memory.
+    fn on_device(&self) -> bool;
+    /// Whether a batch of `units` fits the memory free now, as the device's allocator would
+    /// tell; the error is an out-of-memory error.
+    fn reserve(&self, units: usize) -> Result<()>;
+    /// A batch ran out of memory and runs again at `half` units: counted, and the budget (and
+    /// the cap) lowered to `half`.
+    fn split(&mut self, half: usize, error: &str);
+    /// Adds the model time since `started` to the model thread's busy time.
+    fn busy(&self, started: Instant);
+}
+
+/// Whether `error` says the device (or the host) ran out of memory: the driver's, cuBLAS's
+/// (its workspace) and the CPU allocator's words for it.
+pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        let text = cause.to_string();
+        text.contains("OUT_OF_MEMORY") || text.contains("ALLOC_FAILED") || text.to_ascii_lowercase().contains("out of memory")
+    })
 }
 
 /// A loaded model of some family.
@@ -60,8 +133,19 @@ pub trait FamilyModel: Send + 'static {
     /// A known input must give a known answer (run before a hot swap switches a version in);
     /// the error says what came out instead.
     fn check_health(&mut self) -> Result<()>;
-    /// The model itself, for the code that runs its batches.
+    /// The model itself.
     fn as_any_mut(&mut self) -> &mut dyn Any;
+    /// Runs `work` (this family's requests) as one batch, letting [`BatchRun::arrivals`] join
+    /// where the family can, splitting a batch that runs out of memory; answers each request
+    /// through its own reply as it finishes. Returns the requests it did not take (they run
+    /// next, first).
+    fn run(&mut self, work: Vec<Work>, batch: &mut dyn BatchRun) -> Vec<Work>;
+}
+
+/// `work` as the family's request type `T`; a request of another type (never sent to a family
+/// that does not own it) is dropped, which drops its reply.
+pub fn downcast_all<T: 'static>(work: Vec<Work>) -> Vec<T> {
+    work.into_iter().filter_map(|w| w.downcast::<T>().ok().map(|b| *b)).collect()
 }
 
 /// The size of `dir/file`, with the path in the error.

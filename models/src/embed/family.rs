@@ -3,12 +3,20 @@
 
 use std::any::Any;
 use std::path::Path;
+use std::time::Instant;
 
 use anyhow::{ensure, Result};
 
-use super::Embedder;
-use crate::family::{file_len, Family, FamilyModel, LoadSettings};
+use super::{Embedder, MAX_TOKENS_PER_TEXT, TOKENS_PER_FORWARD};
+use crate::family::{downcast_all, file_len, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
 use crate::precision::Precision;
+
+/// Texts to embed, with the reply: one unit vector per text, in order.
+pub struct EmbedWork {
+    pub texts: Vec<String>,
+    /// The vectors or why not, and the model that served them.
+    pub reply: Box<dyn FnOnce(Result<Vec<Vec<f32>>, WorkError>, &str) + Send>,
+}
 
 pub struct EmbedderFamily;
 pub static FAMILY: EmbedderFamily = EmbedderFamily;
@@ -46,6 +54,19 @@ impl Family for EmbedderFamily {
         };
         Ok(Box::new(Embedder::load_in(dir, &settings.device, precision)?))
     }
+
+    /// Padded tokens of a pulled batch: 8,192 until the warmup has measured what fits; then what
+    /// the memory free holds, at most 32,768 on the CPU and 1,048,576 on a GPU (where one forward
+    /// pass takes the whole batch).
+    fn budget(&self) -> BudgetRule {
+        BudgetRule { initial: 8192, calibrated: true, cpu_ceiling: 32_768, device_ceiling: 1 << 20 }
+    }
+
+    fn refuse(&self, work: Work, error: WorkError, model: &str) {
+        if let Ok(w) = work.downcast::<EmbedWork>() {
+            (w.reply)(Err(error), model);
+        }
+    }
 }
 
 impl FamilyModel for Embedder {
@@ -72,5 +93,47 @@ impl FamilyModel for Embedder {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    /// Every request's texts in one pass (sorted by length across requests). On a GPU one
+    /// forward pass takes the whole pulled batch; the CPU gains nothing past
+    /// [`TOKENS_PER_FORWARD`]. A pass that runs out of memory (or would: the free memory cannot
+    /// hold its tokens) runs again with half the tokens per forward pass, which become the
+    /// budget's cap.
+    fn run(&mut self, work: Vec<Work>, batch: &mut dyn BatchRun) -> Vec<Work> {
+        let jobs: Vec<EmbedWork> = downcast_all(work);
+        let name = batch.model_name().to_string();
+        let all: Vec<&str> = jobs.iter().flat_map(|w| w.texts.iter().map(String::as_str)).collect();
+        let mut per_forward = if batch.on_device() { batch.units() } else { TOKENS_PER_FORWARD }.min(batch.cap());
+        let result = loop {
+            let result = batch.reserve(per_forward).and_then(|()| {
+                let started = Instant::now();
+                let vectors = self.embed_in(&all, per_forward);
+                batch.busy(started);
+                vectors
+            });
+            match result {
+                // A text runs alone below its own length: smaller passes would not help.
+                Err(e) if per_forward > MAX_TOKENS_PER_TEXT && is_out_of_memory(&e) => {
+                    per_forward /= 2;
+                    batch.split(per_forward, &format!("{e:#}"));
+                }
+                result => break result,
+            }
+        };
+        match result {
+            Ok(vectors) => {
+                let mut vectors = vectors.into_iter();
+                for w in jobs {
+                    let mine: Vec<_> = vectors.by_ref().take(w.texts.len()).collect();
+                    (w.reply)(Ok(mine), &name);
+                }
+            }
+            Err(e) => {
+                let e = WorkError::inference(format!("{e:#}"));
+                jobs.into_iter().for_each(|w| (w.reply)(Err(e.clone()), &name));
+            }
+        }
+        Vec::new()
     }
 }

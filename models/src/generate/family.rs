@@ -2,12 +2,29 @@
 //! generated).
 
 use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::path::Path;
+use std::time::Instant;
 
 use anyhow::{bail, ensure, Result};
 
-use super::{ChatMessage, GenerateOptions, Llm, Prompt};
-use crate::family::{file_len, Family, FamilyModel, LoadSettings};
+use super::{ChatMessage, GenerateError, GenerateOptions, Generation, GenerationRequest, Llm, Prompt};
+use crate::family::{downcast_all, file_len, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
+
+/// A generation request, with its reply.
+pub struct GenerateWork {
+    pub prompt: Prompt,
+    pub options: GenerateOptions,
+    /// After each token: the text so far and its tokens; false stops the generation (the reply
+    /// then holds what was generated).
+    pub on_text: Box<dyn FnMut(&str, usize) -> bool + Send>,
+    /// The generation or why not, and the model that served it.
+    pub reply: Box<dyn FnOnce(Result<Generation, WorkError>, &str) + Send>,
+}
+
+/// Tokens in flight of a generation batch until configured (`TERN_GENERATE_BATCH_TOKENS`).
+pub const DEFAULT_BATCH_TOKENS: usize = 4096;
 
 pub struct LlmFamily;
 pub static FAMILY: LlmFamily = LlmFamily;
@@ -42,6 +59,18 @@ impl Family for LlmFamily {
         llm.set_precision(settings.precision);
         Ok(Box::new(llm))
     }
+
+    /// Tokens (prompt + max_tokens) of the requests in flight: fixed, not calibrated (default
+    /// [`DEFAULT_BATCH_TOKENS`], or the worker's setting).
+    fn budget(&self) -> BudgetRule {
+        BudgetRule { initial: DEFAULT_BATCH_TOKENS, calibrated: false, cpu_ceiling: usize::MAX, device_ceiling: usize::MAX }
+    }
+
+    fn refuse(&self, work: Work, error: WorkError, model: &str) {
+        if let Ok(w) = work.downcast::<GenerateWork>() {
+            (w.reply)(Err(error), model);
+        }
+    }
 }
 
 impl FamilyModel for Llm {
@@ -66,5 +95,70 @@ impl FamilyModel for Llm {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    /// Continuous batching: between decoding steps, requests that arrived join as long as the
+    /// tokens in flight (prompt + max_tokens of each running request; a prompt's tokens are not
+    /// known before it is rendered, so its characters / 4) stay within the budget; the first
+    /// always runs, however costly. Once a request of another family waits, none join, so the
+    /// batch drains and that request runs next. Each reply goes out as soon as its request
+    /// finishes; requests that did not fit are returned to run in the next batch.
+    fn run(&mut self, work: Vec<Work>, batch: &mut dyn BatchRun) -> Vec<Work> {
+        let name = batch.model_name().to_string();
+        let budget = batch.units().max(1);
+        struct Job {
+            prompt: Prompt,
+            options: GenerateOptions,
+            on_text: Box<dyn FnMut(&str, usize) -> bool + Send>,
+        }
+        type Reply = Box<dyn FnOnce(Result<Generation, WorkError>, &str) + Send>;
+        // Jobs live until the batch ends; the requests borrow them while newcomers are added.
+        let jobs: typed_arena::Arena<Job> = typed_arena::Arena::new();
+        // Per request number: its reply and its cost.
+        let replies: RefCell<Vec<Option<(Reply, usize)>>> = Default::default();
+        let in_flight = Cell::new(0usize);
+        let mut waiting: VecDeque<GenerateWork> = downcast_all(work).into();
+        let started = Instant::now();
+        let (mut served, mut joined_late) = (0usize, 0usize);
+        let mut first_call = true;
+        let mut admit = |_running: usize| -> Vec<GenerationRequest<'_>> {
+            if !first_call {
+                waiting.extend(downcast_all::<GenerateWork>(batch.arrivals()));
+            }
+            let mut out = Vec::new();
+            while let Some(w) = waiting.pop_front() {
+                let cost = w.options.max_tokens + w.prompt.approximate_tokens();
+                if in_flight.get() > 0 && in_flight.get() + cost > budget {
+                    waiting.push_front(w);
+                    break;
+                }
+                in_flight.set(in_flight.get() + cost);
+                replies.borrow_mut().push(Some((w.reply, cost)));
+                if !first_call {
+                    joined_late += 1;
+                }
+                let job = jobs.alloc(Job { prompt: w.prompt, options: w.options, on_text: w.on_text });
+                out.push(GenerationRequest { prompt: &job.prompt, options: &job.options, on_text: job.on_text.as_mut() });
+            }
+            first_call = false;
+            out
+        };
+        let mut done = |number: usize, result: Result<Generation>| {
+            let Some((reply, cost)) = replies.borrow_mut().get_mut(number).and_then(Option::take) else { return };
+            in_flight.set(in_flight.get().saturating_sub(cost));
+            served += 1;
+            let result = result.map_err(|e| match e.downcast_ref::<GenerateError>() {
+                // A stop is seen by the job itself; the rest are the input's fault.
+                Some(g) if *g != GenerateError::Canceled => WorkError::Rejected { code: g.code(), message: g.to_string() },
+                _ => WorkError::inference(format!("{e:#}")),
+            });
+            reply(result, &name);
+        };
+        self.generate_continuous(&mut admit, &mut done);
+        drop(admit);
+        drop(done);
+        batch.busy(started);
+        tracing::info!(requests = served, joined_late, model_ms = started.elapsed().as_millis() as u64, "generation batch done");
+        waiting.into_iter().map(|w| Box::new(w) as Work).collect()
     }
 }

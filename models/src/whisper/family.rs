@@ -1,12 +1,32 @@
 //! Whisper as a [`Family`]: CTranslate2 (faster-whisper) folders, costed in 30 s windows.
 
 use std::any::Any;
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 
-use super::{TranscribeOptions, Whisper};
-use crate::family::{file_len, Family, FamilyModel, LoadSettings};
+use super::{Pcm, TranscribeInput, TranscribeOptions, Transcript, Whisper};
+use crate::family::{downcast_all, file_len, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
+
+/// A recording to transcribe, with its reply.
+pub struct TranscribeWork {
+    /// 16 kHz mono; shared with the model while it runs, kept to run the recording again if
+    /// its batch runs out of memory.
+    pub pcm: Arc<Vec<f32>>,
+    pub options: TranscribeOptions,
+    /// After each window: windows done, windows in all, the transcript of the windows done
+    /// from the first on (it grows at its end).
+    pub progress: Box<dyn FnMut(usize, usize, &str) + Send>,
+    /// Set when the job is canceled or released: its remaining windows are skipped.
+    pub stop: Arc<AtomicBool>,
+    /// The transcript or why not, and the model that served it.
+    pub reply: Box<dyn FnOnce(Result<Transcript, WorkError>, &str) + Send>,
+}
 
 pub struct WhisperFamily;
 pub static FAMILY: WhisperFamily = WhisperFamily;
@@ -38,6 +58,18 @@ impl Family for WhisperFamily {
     fn load(&self, dir: &Path, settings: &LoadSettings) -> Result<Box<dyn FamilyModel>> {
         Ok(Box::new(Whisper::load_ct2_in(dir, &settings.device, settings.precision)?))
     }
+
+    /// 8 windows until the warmup has measured what fits; then what the memory free holds, at
+    /// most 16 on the CPU (past that the products are at the kernel's peak) and 1,024 on a GPU.
+    fn budget(&self) -> BudgetRule {
+        BudgetRule { initial: 8, calibrated: true, cpu_ceiling: 16, device_ceiling: 1024 }
+    }
+
+    fn refuse(&self, work: Work, error: WorkError, model: &str) {
+        if let Ok(w) = work.downcast::<TranscribeWork>() {
+            (w.reply)(Err(error), model);
+        }
+    }
 }
 
 impl FamilyModel for Whisper {
@@ -63,5 +95,87 @@ impl FamilyModel for Whisper {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    /// Continuous batching ([`Whisper::transcribe_continuous`]): recordings that arrive join
+    /// whenever the batch runs short of windows; each reply goes out as soon as its recording
+    /// is transcribed. Recordings whose batch ran out of memory (or would have: the free memory
+    /// cannot hold its windows) run again at half the windows, which become the budget's cap;
+    /// only at one window does running out of memory fail them.
+    fn run(&mut self, work: Vec<Work>, batch: &mut dyn BatchRun) -> Vec<Work> {
+        let name = batch.model_name().to_string();
+        let mut window_batch = batch.units();
+        let mut pending: Vec<TranscribeWork> = downcast_all(work);
+        while !pending.is_empty() {
+            // Recordings to run again at half the windows.
+            let mut again: Vec<TranscribeWork> = Vec::new();
+            let mut out_of_memory = None;
+            if let Err(e) = batch.reserve(window_batch) {
+                out_of_memory = Some(format!("{e:#}"));
+                again = pending;
+            } else {
+                // Per request number, until it is answered.
+                let jobs: RefCell<Vec<Option<TranscribeWork>>> = Default::default();
+                let mut waiting = pending;
+                let mut first_call = true;
+                let mut joined_late = 0usize;
+                let mut admit = || -> Vec<TranscribeInput<'static>> {
+                    if !first_call {
+                        let late: Vec<TranscribeWork> = downcast_all(batch.arrivals());
+                        joined_late += late.len();
+                        waiting.extend(late);
+                    }
+                    first_call = false;
+                    waiting
+                        .drain(..)
+                        .map(|w| {
+                            let input = TranscribeInput { pcm: Pcm::Shared(w.pcm.clone()), options: Cow::Owned(w.options.clone()) };
+                            jobs.borrow_mut().push(Some(w));
+                            input
+                        })
+                        .collect()
+                };
+                let canceled = |i: usize| jobs.borrow()[i].as_ref().is_some_and(|w| w.stop.load(Ordering::Relaxed));
+                let mut progress = |i: usize, p: super::Progress<'_>| {
+                    if let Some(w) = jobs.borrow_mut()[i].as_mut() {
+                        (w.progress)(p.done, p.total, p.text);
+                    }
+                };
+                let mut served = 0usize;
+                let mut done = |i: usize, result: Result<Transcript>| {
+                    let Some(w) = jobs.borrow_mut()[i].take() else { return };
+                    match result {
+                        Err(e) if window_batch > 1 && is_out_of_memory(&e) => {
+                            out_of_memory.get_or_insert_with(|| format!("{e:#}"));
+                            again.push(w);
+                        }
+                        result => {
+                            served += 1;
+                            (w.reply)(result.map_err(|e| WorkError::inference(format!("{e:#}"))), &name);
+                        }
+                    }
+                };
+                let started = Instant::now();
+                self.transcribe_continuous(window_batch, &mut admit, &canceled, &mut progress, &mut done);
+                drop(admit);
+                drop(done);
+                batch.busy(started);
+                let stats = self.last_decode_stats();
+                tracing::info!(recordings = served, joined_late, window_batch, model_ms = started.elapsed().as_millis() as u64, steps = stats.steps, windows = stats.seated, joined_running = stats.joined_running, "transcription batch done");
+            }
+            if let Some(error) = out_of_memory {
+                if window_batch == 1 {
+                    // One window does not fit: nothing smaller to try; the jobs retry later.
+                    for w in again.drain(..) {
+                        (w.reply)(Err(WorkError::inference(format!("out of memory at one window: {error}"))), &name);
+                    }
+                } else {
+                    window_batch /= 2;
+                    batch.split(window_batch, &error);
+                }
+            }
+            pending = again;
+        }
+        Vec::new()
     }
 }

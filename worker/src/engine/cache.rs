@@ -25,6 +25,9 @@ pub enum Family {
 }
 
 impl Family {
+    /// Every family, in the order the admin API lists them.
+    pub const ALL: [Family; 3] = [Family::Whisper, Family::Embedder, Family::Llm];
+
     /// The family a job kind runs; `None` for kinds without a model (echo).
     pub fn of_kind(kind: tern_jobs::JobKind) -> Option<Family> {
         use tern_jobs::JobKind;

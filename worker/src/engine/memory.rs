@@ -135,18 +135,6 @@ impl MemoryProbe {
     }
 }
 
-/// Whether an error is a device (or allocator) running out of memory: such a batch is split
-/// and run again, never failed.
-pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| {
-        cause.is::<OutOfMemory>() || {
-            let text = cause.to_string();
-            // The driver's, cuBLAS's (its workspace) and the CPU allocator's words for it.
-            text.contains("OUT_OF_MEMORY") || text.contains("ALLOC_FAILED") || text.to_ascii_lowercase().contains("out of memory")
-        }
-    })
-}
-
 /// A batch that did not fit the memory the probe reports free.
 #[derive(Debug, thiserror::Error)]
 #[error("out of memory: the batch needs {needed} bytes, {free} are free")]
@@ -191,10 +179,10 @@ mod tests {
     #[test]
     fn out_of_memory_is_told_from_other_errors() {
         let cuda = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")").context("encoder");
-        assert!(is_out_of_memory(&cuda));
-        assert!(is_out_of_memory(&anyhow::anyhow!("CublasError(CUBLAS_STATUS_ALLOC_FAILED)")));
-        assert!(is_out_of_memory(&anyhow::Error::new(OutOfMemory { needed: 2, free: 1 }).context("batch")));
-        assert!(!is_out_of_memory(&anyhow::anyhow!("unknown language code \"xx\"")));
+        assert!(tern_models::family::is_out_of_memory(&cuda));
+        assert!(tern_models::family::is_out_of_memory(&anyhow::anyhow!("CublasError(CUBLAS_STATUS_ALLOC_FAILED)")));
+        assert!(tern_models::family::is_out_of_memory(&anyhow::Error::new(OutOfMemory { needed: 2, free: 1 }).context("batch")));
+        assert!(!tern_models::family::is_out_of_memory(&anyhow::anyhow!("unknown language code \"xx\"")));
     }
 
     #[test]

@@ -1,24 +1,28 @@
 //! Runs the models on one dedicated OS thread, never on the async runtime's workers. Requests
-//! from the jobs in hand queue on a channel; the thread gathers the ones that can run together
+//! from the jobs in hand queue on a channel; the thread gathers the ones of one family
 //! (transcriptions with transcriptions, embeddings with embeddings) and runs each group as one
-//! batch on a model from the [`cache::ModelCache`]. Transcription and generation batches take
-//! in requests of their family that arrive while they run, and answer each as it finishes.
+//! batch on a model from the [`cache::ModelCache`], through the family's plug-in
+//! ([`tern_models::family::FamilyModel::run`]): this thread knows no family's requests, only
+//! their budgets, the memory free, and which requests may join a running batch.
 
 pub mod cache;
 pub mod health;
 mod hub;
 pub mod memory;
 
-use cache::{CacheReport, Family, Loaded, Model, ModelCache, Source};
+use cache::{CacheReport, Family, Loaded, ModelCache, Source};
 use memory::MemoryProbe;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
-use tern_models::generate::{GenerateError, GenerateOptions, Generation, GenerationRequest, Prompt};
-use std::borrow::Cow;
-use tern_models::whisper::{Pcm, TranscribeInput, TranscribeOptions, Transcript};
+use tern_models::embed::family::EmbedWork;
+use tern_models::family::{BatchRun, Work, WorkError};
+use tern_models::generate::family::GenerateWork;
+use tern_models::generate::{GenerateOptions, Generation, Prompt};
+use tern_models::whisper::family::TranscribeWork;
+use tern_models::whisper::{TranscribeOptions, Transcript};
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
 /// Which model folder (under the models directory) serves each family.
@@ -47,11 +51,6 @@ impl ModelNames {
         };
         std::mem::replace(slot, name)
     }
-}
-
-/// A model the cache returned for a family, as that family's type.
-fn downcast<T: 'static>(model: &mut Model) -> &mut T {
-    model.as_any_mut().downcast_mut::<T>().expect("the cache returns the family asked for")
 }
 
 /// The model serving `family` now.
@@ -88,6 +87,17 @@ pub struct BatchLimits {
     pub whisper_beams: usize,
 }
 
+impl BatchLimits {
+    /// `family`'s configured budget; `None`: calibrated.
+    fn configured(&self, family: Family) -> Option<usize> {
+        match family {
+            Family::Whisper => self.windows,
+            Family::Embedder => self.embed_tokens,
+            Family::Llm => Some(self.generate_tokens),
+        }
+    }
+}
+
 /// Why a request could not run.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum EngineError {
@@ -121,6 +131,33 @@ impl EngineError {
 
 type Reply<T> = oneshot::Sender<Result<Served<T>, EngineError>>;
 
+impl EngineError {
+    /// A family's error for a request `model` was to serve.
+    fn of_work(e: WorkError, model: &str) -> EngineError {
+        match e {
+            WorkError::Rejected { code, message } => EngineError::Rejected { code, message },
+            WorkError::Failed { code: "model_unavailable", message } => EngineError::ModelUnavailable { model: model.to_string(), reason: message },
+            WorkError::Failed { message, .. } => EngineError::Inference(message),
+        }
+    }
+
+    /// The error a family answers its requests with.
+    fn to_work(&self) -> WorkError {
+        match self {
+            EngineError::ModelUnavailable { reason, .. } => WorkError::Failed { code: "model_unavailable", message: reason.clone() },
+            EngineError::Rejected { code, message } => WorkError::Rejected { code, message: message.clone() },
+            EngineError::Inference(message) => WorkError::inference(message.clone()),
+        }
+    }
+}
+
+/// A reply closure for a family's request: answers `reply` with the result and the model.
+fn answer_with<T: Send + 'static>(reply: Reply<T>) -> Box<dyn FnOnce(Result<T, WorkError>, &str) + Send> {
+    Box::new(move |result, model| {
+        let _ = reply.send(result.map(|value| Served { value, model: model.to_string() }).map_err(|e| EngineError::of_work(e, model)));
+    })
+}
+
 /// A transcription's progress as the model thread reports it, once per window done.
 #[derive(Debug, Clone)]
 pub struct TranscribeProgress {
@@ -134,29 +171,8 @@ pub struct TranscribeProgress {
 }
 
 enum Request {
-    Transcribe {
-        /// Shared with the model while it runs, kept to run the recording again if its batch
-        /// runs out of memory.
-        pcm: Arc<Vec<f32>>,
-        options: TranscribeOptions,
-        progress: tokio_mpsc::UnboundedSender<TranscribeProgress>,
-        /// Set when the job is canceled or released: its remaining windows are skipped.
-        stop: Arc<AtomicBool>,
-        reply: Reply<Transcript>,
-    },
-    Embed {
-        texts: Vec<String>,
-        reply: Reply<Vec<Vec<f32>>>,
-    },
-    Generate {
-        prompt: Prompt,
-        options: GenerateOptions,
-        /// (text so far, tokens so far).
-        progress: tokio_mpsc::UnboundedSender<(String, usize)>,
-        /// Set when the job is canceled or released: generation stops at the next token.
-        stop: Arc<AtomicBool>,
-        reply: Reply<Generation>,
-    },
+    /// A family's request (its own type, with its reply).
+    Work { family: Family, work: Work },
     /// Switch `family` to a model loaded (and health-checked) in the background. Handled as
     /// soon as the thread is between batches.
     Install {
@@ -171,10 +187,7 @@ enum Request {
 impl Request {
     fn family(&self) -> Family {
         match self {
-            Request::Transcribe { .. } => Family::Whisper,
-            Request::Embed { .. } => Family::Embedder,
-            Request::Generate { .. } => Family::Llm,
-            Request::Install { family, .. } => *family,
+            Request::Work { family, .. } | Request::Install { family, .. } => *family,
         }
     }
 }
@@ -185,23 +198,9 @@ impl Request {
 const LINGER: Duration = Duration::from_millis(15);
 /// Longest a group is held open for late arrivals.
 const LINGER_MAX: Duration = Duration::from_millis(150);
-/// Windows per batch until the Whisper model's warmup has measured what fits.
-const DEFAULT_WINDOWS: usize = 8;
 /// Windows of the Whisper warmup: the probe batch whose memory is measured, and the largest
 /// batch a CPU worker runs.
 const WARMUP_WINDOWS: usize = 16;
-
-/// Ceilings on calibrated batch sizes. On the CPU a batch is compute-bound past 16 windows (the
-/// products are already at the kernel's peak) and 8,192 tokens per forward pass; on a GPU
-/// memory is the bound.
-#[derive(Debug, Clone, Copy)]
-struct Ceilings {
-    windows: usize,
-    embed_tokens: usize,
-}
-
-const CPU_CEILINGS: Ceilings = Ceilings { windows: 16, embed_tokens: 32_768 };
-const DEVICE_CEILINGS: Ceilings = Ceilings { windows: 1024, embed_tokens: 1 << 20 };
 
 /// What the model thread did, for metrics and the admin's system view.
 #[derive(Debug, Default)]
@@ -229,6 +228,19 @@ pub struct BatchingReport {
     pub busy_seconds: f64,
 }
 
+/// One family's batch size: configured, or published after each batch from the memory free.
+struct Budget {
+    /// Set by the worker's settings: never calibrated.
+    configured: Option<usize>,
+    /// What pulls take now (shared with the [`Engine`] handle).
+    published: Arc<AtomicI64>,
+    /// Half of the last batch that ran out of memory (unbounded until one does): calibrated
+    /// and configured sizes stay under it.
+    cap: usize,
+    /// Largest calibrated budget on this device; `None`: not calibrated.
+    ceiling: Option<usize>,
+}
+
 /// Handle to the model thread. Cheap to share behind an `Arc`.
 pub struct Engine {
     requests: mpsc::Sender<Request>,
@@ -241,9 +253,8 @@ pub struct Engine {
     pub batches_during_load: Arc<AtomicU64>,
     /// The model cache's state, refreshed by the thread.
     pub report: Arc<Mutex<CacheReport>>,
-    windows: Arc<AtomicI64>,
-    embed_tokens: Arc<AtomicI64>,
-    generate_tokens: i64,
+    /// Each family's published batch budget.
+    budgets: HashMap<Family, Arc<AtomicI64>>,
     probe: MemoryProbe,
     pub stats: Arc<EngineStats>,
 }
@@ -264,12 +275,19 @@ impl Engine {
     ) -> Engine {
         let (tx, rx) = mpsc::channel::<Request>();
         let report = Arc::new(Mutex::new(CacheReport::default()));
-        let windows = Arc::new(AtomicI64::new(limits.windows.unwrap_or(DEFAULT_WINDOWS) as i64));
-        let embed_tokens = Arc::new(AtomicI64::new(limits.embed_tokens.unwrap_or(8192) as i64));
         let names = Arc::new(Mutex::new(names));
-        let ceilings = if probe.is_device() { DEVICE_CEILINGS } else { CPU_CEILINGS };
         let warmup_windows = limits.windows.unwrap_or(WARMUP_WINDOWS).min(WARMUP_WINDOWS);
         let stats = Arc::new(EngineStats::default());
+        let budgets: HashMap<Family, Budget> = Family::ALL
+            .iter()
+            .map(|&family| {
+                let rule = family.plugin().budget();
+                let configured = limits.configured(family);
+                let ceiling = rule.calibrated.then_some(if probe.is_device() { rule.device_ceiling } else { rule.cpu_ceiling });
+                let published = Arc::new(AtomicI64::new(configured.unwrap_or(rule.initial) as i64));
+                (family, Budget { configured, published, cap: usize::MAX, ceiling })
+            })
+            .collect();
         let cache = ModelCache::new(
             models_dir,
             tokio::runtime::Handle::current(),
@@ -284,41 +302,26 @@ impl Engine {
         let source = cache.source();
         let swap_loading = Arc::new(AtomicBool::new(false));
         let batches_during_load = Arc::new(AtomicU64::new(0));
+        let published = budgets.iter().map(|(f, b)| (*f, b.published.clone())).collect();
         let thread = Thread {
             cache,
             names: names.clone(),
             swap_loading: swap_loading.clone(),
             batches_during_load: batches_during_load.clone(),
-            limits: limits.clone(),
-            windows: windows.clone(),
-            embed_tokens: embed_tokens.clone(),
+            budgets,
             backlog: VecDeque::new(),
             probe: probe.clone(),
             stats: stats.clone(),
-            ceilings,
-            caps: Ceilings { windows: usize::MAX, embed_tokens: usize::MAX },
         };
         std::thread::Builder::new()
             .name("model-engine".into())
             .spawn(move || thread.serve(rx))
             .expect("spawn the model thread");
-        Engine {
-            requests: tx,
-            names,
-            source,
-            swap_loading,
-            batches_during_load,
-            report,
-            windows,
-            embed_tokens,
-            generate_tokens: limits.generate_tokens as i64,
-            probe,
-            stats,
-        }
+        Engine { requests: tx, names, source, swap_loading, batches_during_load, report, budgets: published, probe, stats }
     }
 
-    /// Whether batches are sized by a GPU's memory (up to [`DEVICE_CEILINGS`]) rather than the
-    /// CPU's ceilings.
+    /// Whether batches are sized by a GPU's memory (up to each family's device ceiling) rather
+    /// than the CPU's ceilings.
     pub fn sizes_by_device_memory(&self) -> bool {
         self.probe.is_device()
     }
@@ -367,23 +370,20 @@ impl Engine {
         self.names.lock().expect("not poisoned").replace(family, name)
     }
 
-    /// The cost budget for one pulled batch of `family`'s jobs: windows for transcription,
-    /// padded tokens for embeddings, prompt + max tokens for generation.
+    /// The cost budget for one pulled batch of `family`'s jobs, in its unit: windows for
+    /// transcription, padded tokens for embeddings, prompt + max tokens for generation.
     pub fn batch_budget(&self, family: Family) -> i64 {
-        match family {
-            Family::Whisper => self.windows.load(Ordering::Relaxed),
-            Family::Embedder => self.embed_tokens.load(Ordering::Relaxed),
-            Family::Llm => self.generate_tokens,
-        }
-        .max(1)
+        self.budgets.get(&family).map_or(1, |b| b.load(Ordering::Relaxed)).max(1)
     }
 
     fn send(&self, r: Request) -> Result<(), EngineError> {
         self.requests.send(r).map_err(|_| EngineError::Inference("the model thread stopped".into()))
     }
 
-    async fn answer<T>(rx: oneshot::Receiver<Result<Served<T>, EngineError>>) -> Result<Served<T>, EngineError> {
-        rx.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))?
+    /// Sends `work` (a request of `family`'s type) and waits for its answer.
+    async fn run<T>(&self, family: Family, work: Work, answer: oneshot::Receiver<Result<Served<T>, EngineError>>) -> Result<Served<T>, EngineError> {
+        self.send(Request::Work { family, work })?;
+        answer.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))?
     }
 
     /// Transcribes 16 kHz mono PCM; progress (windows done, total, the text of the leading
@@ -397,15 +397,20 @@ impl Engine {
         stop: Arc<AtomicBool>,
     ) -> Result<Served<Transcript>, EngineError> {
         let (reply, answer) = oneshot::channel();
-        self.send(Request::Transcribe { pcm: Arc::new(pcm), options, progress, stop, reply })?;
-        Self::answer(answer).await
+        let work = TranscribeWork {
+            pcm: Arc::new(pcm),
+            options,
+            progress: Box::new(move |done, total, text| drop(progress.send(TranscribeProgress { done, total, text: text.to_string() }))),
+            stop,
+            reply: answer_with(reply),
+        };
+        self.run(Family::Whisper, Box::new(work), answer).await
     }
 
     /// Embeds texts: one unit vector per text, in order.
     pub async fn embed(&self, texts: Vec<String>) -> Result<Served<Vec<Vec<f32>>>, EngineError> {
         let (reply, answer) = oneshot::channel();
-        self.send(Request::Embed { texts, reply })?;
-        Self::answer(answer).await
+        self.run(Family::Embedder, Box::new(EmbedWork { texts, reply: answer_with(reply) }), answer).await
     }
 
     /// Generates text; (text so far, tokens so far) arrives on `progress`; raising `stop` ends
@@ -418,8 +423,24 @@ impl Engine {
         stop: Arc<AtomicBool>,
     ) -> Result<Served<Generation>, EngineError> {
         let (reply, answer) = oneshot::channel();
-        self.send(Request::Generate { prompt, options, progress, stop, reply })?;
-        Self::answer(answer).await
+        // The reply drops the progress sender: the job's progress loop ends only when it is
+        // gone, and `on_text` lives until the batch ends.
+        let progress = Arc::new(Mutex::new(Some(progress)));
+        let on_text = {
+            let progress = progress.clone();
+            Box::new(move |text: &str, tokens: usize| {
+                if let Some(p) = progress.lock().expect("not poisoned").as_ref() {
+                    let _ = p.send((text.to_string(), tokens));
+                }
+                !stop.load(Ordering::Relaxed)
+            })
+        };
+        let answer_reply = answer_with(reply);
+        let reply = Box::new(move |result, model: &str| {
+            progress.lock().expect("not poisoned").take();
+            answer_reply(result, model)
+        });
+        self.run(Family::Llm, Box::new(GenerateWork { prompt, options, on_text, reply }), answer).await
     }
 }
 
@@ -428,18 +449,11 @@ struct Thread {
     names: Arc<Mutex<ModelNames>>,
     swap_loading: Arc<AtomicBool>,
     batches_during_load: Arc<AtomicU64>,
-    limits: BatchLimits,
-    windows: Arc<AtomicI64>,
-    embed_tokens: Arc<AtomicI64>,
+    budgets: HashMap<Family, Budget>,
     /// Requests that arrived while a group of another family was gathering.
     backlog: VecDeque<Request>,
     probe: MemoryProbe,
     stats: Arc<EngineStats>,
-    /// Largest calibrated batches on this device.
-    ceilings: Ceilings,
-    /// Half of the last batch of each family that ran out of memory (unbounded until one does):
-    /// calibrated and configured sizes stay under it.
-    caps: Ceilings,
 }
 
 impl Thread {
@@ -479,12 +493,55 @@ impl Thread {
             if self.swap_loading.load(Ordering::Relaxed) {
                 self.batches_during_load.fetch_add(1, Ordering::Relaxed);
             }
-            match family {
-                Family::Whisper => self.transcribe(group, &rx),
-                Family::Embedder => self.embed(group),
-                Family::Llm => self.generate(group, &rx),
-            }
+            let work: Vec<Work> = group
+                .into_iter()
+                .filter_map(|r| match r {
+                    Request::Work { work, .. } => Some(work),
+                    Request::Install { .. } => None,
+                })
+                .collect();
+            self.run(family, work, &rx);
         }
+    }
+
+    /// Runs `work` as one batch of `family` on its current model ([`FamilyModel::run`]), then
+    /// publishes the batch size the memory free allows.
+    fn run(&mut self, family: Family, work: Vec<Work>, rx: &mpsc::Receiver<Request>) {
+        let name = current(&self.names, family);
+        let plugin = family.plugin();
+        let (model, unit_bytes) = match self.cache.get(family, &name) {
+            Ok(got) => got,
+            Err(e) => {
+                let error = e.to_work();
+                for w in work {
+                    plugin.refuse(w, error.clone(), &name);
+                }
+                return;
+            }
+        };
+        let budget = self.budgets.get_mut(&family).expect("every family has a budget");
+        let mut batch = ThreadBatch {
+            family,
+            name: &name,
+            budget,
+            unit_bytes,
+            rx,
+            backlog: &mut self.backlog,
+            installs: Vec::new(),
+            probe: &self.probe,
+            stats: &self.stats,
+        };
+        let left = model.run(work, &mut batch);
+        let installs = std::mem::take(&mut batch.installs);
+        // Requests that did not fit run in the next batch, first; installs waited for the
+        // batch to end.
+        for w in left.into_iter().rev() {
+            self.backlog.push_front(Request::Work { family, work: w });
+        }
+        for (family, name, loaded, reply) in installs {
+            self.install(family, name, *loaded, reply);
+        }
+        self.calibrate(family, unit_bytes);
     }
 
     fn install(&mut self, family: Family, name: String, loaded: Loaded, reply: oneshot::Sender<String>) {
@@ -494,326 +551,80 @@ impl Thread {
         let _ = reply.send(old);
     }
 
-    fn name_of(&self, family: Family) -> String {
-        current(&self.names, family)
-    }
-
-    /// Publishes the batch size the memory free allows: the budget's, less the resident models,
-    /// and on a GPU also the device's; within `ceiling`.
-    fn calibrate(&self, unit_bytes: u64, limit: Option<usize>, ceiling: usize, target: &AtomicI64) {
-        if limit.is_some() {
-            return;
-        }
+    /// Publishes `family`'s batch size the memory free allows: the budget's, less the resident
+    /// models, and on a GPU also the device's; within the ceiling and any cap.
+    fn calibrate(&self, family: Family, unit_bytes: u64) {
+        let budget = &self.budgets[&family];
+        let Some(ceiling) = budget.ceiling.filter(|_| budget.configured.is_none()) else { return };
         let free = match self.probe.free_bytes() {
             Some(device) => device.min(self.cache.free_bytes()),
             None => self.cache.free_bytes(),
         };
         let fits = (free / unit_bytes.max(1)) as usize;
-        target.store(fits.clamp(1, ceiling) as i64, Ordering::Relaxed);
+        budget.published.store(fits.clamp(1, ceiling.min(budget.cap)) as i64, Ordering::Relaxed);
+    }
+}
+
+/// What the model thread offers a running batch ([`BatchRun`]).
+struct ThreadBatch<'a> {
+    family: Family,
+    name: &'a str,
+    budget: &'a mut Budget,
+    unit_bytes: u64,
+    rx: &'a mpsc::Receiver<Request>,
+    backlog: &'a mut VecDeque<Request>,
+    /// Model swaps that arrived while the batch ran: applied once it ends.
+    installs: Vec<(Family, String, Box<Loaded>, oneshot::Sender<String>)>,
+    probe: &'a MemoryProbe,
+    stats: &'a EngineStats,
+}
+
+impl BatchRun for ThreadBatch<'_> {
+    fn model_name(&self) -> &str {
+        self.name
     }
 
-    /// Counts a batch that ran out of memory and lowers `cap` (and the published budget) to
-    /// `half`, so later batches are pulled at that size.
-    fn split(&self, family: Family, half: usize, target: &AtomicI64, error: &str) {
+    /// Newcomers of this family, unless another family or a model swap is waiting for the
+    /// model thread: then the batch drains and that goes next.
+    fn arrivals(&mut self) -> Vec<Work> {
+        let mut out = Vec::new();
+        while self.backlog.is_empty() && self.installs.is_empty() {
+            match self.rx.try_recv() {
+                Ok(Request::Work { family, work }) if family == self.family => out.push(work),
+                Ok(Request::Install { family, name, loaded, reply }) => self.installs.push((family, name, loaded, reply)),
+                Ok(r) => self.backlog.push_back(r),
+                Err(_) => break,
+            }
+        }
+        out
+    }
+
+    fn units(&self) -> usize {
+        self.budget.configured.unwrap_or(self.budget.published.load(Ordering::Relaxed).max(1) as usize).min(self.budget.cap)
+    }
+
+    fn cap(&self) -> usize {
+        self.budget.cap
+    }
+
+    fn on_device(&self) -> bool {
+        self.probe.is_device()
+    }
+
+    fn reserve(&self, units: usize) -> anyhow::Result<()> {
+        memory::reserve(self.probe, units, self.unit_bytes).map_err(anyhow::Error::new)
+    }
+
+    fn split(&mut self, half: usize, error: &str) {
+        self.budget.cap = half;
         self.stats.oom_splits.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("tern_engine_oom_splits_total", "family" => format!("{family:?}").to_lowercase()).increment(1);
-        target.fetch_min(half as i64, Ordering::Relaxed);
-        tracing::warn!(?family, half, error, "batch ran out of memory: running it again at half size");
+        metrics::counter!("tern_engine_oom_splits_total", "family" => self.family.plugin().name()).increment(1);
+        self.budget.published.fetch_min(half as i64, Ordering::Relaxed);
+        tracing::warn!(family = ?self.family, half, error, "batch ran out of memory: running it again at half size");
     }
 
-    /// Adds the time since `started` to the model thread's busy time.
-    fn busy_since(stats: &EngineStats, started: Instant) {
-        stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    /// Runs the transcription requests of `group` and lets more join while they decode
-    /// (continuous batching, [`tern_models::whisper::Whisper::transcribe_continuous`]):
-    /// transcription requests waiting on `rx` join whenever the batch runs short of windows,
-    /// until a request of another family waits; each reply goes out as soon as its recording
-    /// is transcribed. Recordings whose batch ran out of memory (or would have: the probe's
-    /// free memory cannot hold its windows) run again at half the windows, which become the
-    /// budget's cap; only at one window does running out of memory fail them.
-    fn transcribe(&mut self, group: Vec<Request>, rx: &mpsc::Receiver<Request>) {
-        let name = self.name_of(Family::Whisper);
-        let mut window_batch = self.limits.windows.unwrap_or(self.windows.load(Ordering::Relaxed) as usize).min(self.caps.windows);
-        let mut pending = group;
-        let mut installs = Vec::new();
-        let mut unit = 0;
-        while !pending.is_empty() {
-            let (model, unit_bytes) = match self.cache.get(Family::Whisper, &name) {
-                Ok((m, unit)) => (downcast::<tern_models::whisper::Whisper>(m), unit),
-                Err(e) => {
-                    for r in pending {
-                        if let Request::Transcribe { reply, .. } = r {
-                            let _ = reply.send(Err(e.clone()));
-                        }
-                    }
-                    return;
-                }
-            };
-            unit = unit_bytes;
-            // Recordings to run again at half the windows.
-            let mut again: Vec<Request> = Vec::new();
-            let mut out_of_memory = None;
-            if let Err(e) = memory::reserve(&self.probe, window_batch, unit_bytes) {
-                out_of_memory = Some(e.to_string());
-                again = pending;
-            } else {
-                type Job = (Arc<Vec<f32>>, TranscribeOptions, tokio_mpsc::UnboundedSender<TranscribeProgress>, Arc<AtomicBool>, Reply<Transcript>);
-                // Per request number, until it is answered.
-                let jobs: std::cell::RefCell<Vec<Option<Job>>> = Default::default();
-                let mut waiting: Vec<Request> = pending;
-                let backlog = &mut self.backlog;
-                let mut first_call = true;
-                let mut joined_late = 0usize;
-                let mut admit = || -> Vec<TranscribeInput<'static>> {
-                    if !first_call {
-                        // Newcomers, unless another family or a model swap is waiting for the
-                        // model thread: then the batch drains and that goes next.
-                        while backlog.is_empty() && installs.is_empty() {
-                            match rx.try_recv() {
-                                Ok(r @ Request::Transcribe { .. }) => {
-                                    joined_late += 1;
-                                    waiting.push(r);
-                                }
-                                Ok(Request::Install { family, name, loaded, reply }) => installs.push((family, name, loaded, reply)),
-                                Ok(r) => backlog.push_back(r),
-                                Err(_) => break,
-                            }
-                        }
-                    }
-                    first_call = false;
-                    waiting
-                        .drain(..)
-                        .filter_map(|r| match r {
-                            Request::Transcribe { pcm, options, progress, stop, reply } => {
-                                let input = TranscribeInput { pcm: Pcm::Shared(pcm.clone()), options: Cow::Owned(options.clone()) };
-                                jobs.borrow_mut().push(Some((pcm, options, progress, stop, reply)));
-                                Some(input)
-                            }
-                            _ => None,
-                        })
-                        .collect()
-                };
-                let canceled = |i: usize| jobs.borrow()[i].as_ref().is_some_and(|(_, _, _, stop, _)| stop.load(Ordering::Relaxed));
-                let mut progress = |i: usize, p: tern_models::whisper::Progress<'_>| {
-                    if let Some((_, _, progress, ..)) = &jobs.borrow()[i] {
-                        let _ = progress.send(TranscribeProgress { done: p.done, total: p.total, text: p.text.to_string() });
-                    }
-                };
-                let mut served = 0usize;
-                let mut done = |i: usize, result: anyhow::Result<Transcript>| {
-                    let Some((pcm, options, progress, stop, reply)) = jobs.borrow_mut()[i].take() else { return };
-                    match result {
-                        Err(e) if window_batch > 1 && memory::is_out_of_memory(&e) => {
-                            out_of_memory.get_or_insert_with(|| format!("{e:#}"));
-                            again.push(Request::Transcribe { pcm, options, progress, stop, reply });
-                        }
-                        result => {
-                            served += 1;
-                            let served = result.map(|value| Served { value, model: name.clone() });
-                            let _ = reply.send(served.map_err(|e| EngineError::Inference(format!("{e:#}"))));
-                        }
-                    }
-                };
-                let started = Instant::now();
-                model.transcribe_continuous(window_batch, &mut admit, &canceled, &mut progress, &mut done);
-                Self::busy_since(&self.stats, started);
-                drop(admit);
-                drop(done);
-                let model_ms = started.elapsed().as_millis() as u64;
-                let decode = model.last_decode_stats();
-                tracing::info!(recordings = served, joined_late, window_batch, model_ms, steps = decode.steps, windows = decode.seated, joined_running = decode.joined_running, "transcription batch done");
-            }
-            if let Some(error) = out_of_memory {
-                if window_batch == 1 {
-                    // One window does not fit: nothing smaller to try; the jobs retry later.
-                    for r in again.drain(..) {
-                        if let Request::Transcribe { reply, .. } = r {
-                            let _ = reply.send(Err(EngineError::Inference(format!("out of memory at one window: {error}"))));
-                        }
-                    }
-                } else {
-                    window_batch /= 2;
-                    self.caps.windows = window_batch;
-                    self.split(Family::Whisper, window_batch, &self.windows, &error);
-                }
-            }
-            pending = again;
-        }
-        for (family, name, loaded, reply) in installs {
-            self.install(family, name, *loaded, reply);
-        }
-        self.calibrate(unit, self.limits.windows, self.ceilings.windows.min(self.caps.windows), &self.windows);
-    }
-
-    /// Embeds the texts of every request in `group` in one pass. A pass that runs out of memory
-    /// (or would: the probe's free memory cannot hold its tokens) runs again with half the
-    /// tokens per forward pass, which become the budget's cap.
-    fn embed(&mut self, group: Vec<Request>) {
-        let mut jobs = Vec::new();
-        for r in group {
-            if let Request::Embed { texts, reply } = r {
-                jobs.push((texts, reply));
-            }
-        }
-        let name = self.name_of(Family::Embedder);
-        // One pass over every job's texts: the embedder sorts them by length across jobs.
-        let all: Vec<&str> = jobs.iter().flat_map(|(t, _)| t.iter().map(String::as_str)).collect();
-        // On a GPU one forward pass takes the whole pulled batch; the CPU gains nothing past
-        // the embedder's default.
-        let mut per_forward = if self.probe.is_device() {
-            self.embed_tokens.load(Ordering::Relaxed) as usize
-        } else {
-            tern_models::embed::TOKENS_PER_FORWARD
-        }
-        .min(self.caps.embed_tokens);
-        let (result, unit) = loop {
-            let (model, unit_bytes) = match self.cache.get(Family::Embedder, &name) {
-                Ok((m, unit)) => (downcast::<tern_models::embed::Embedder>(m), unit),
-                Err(e) => {
-                    jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
-                    return;
-                }
-            };
-            let result = match memory::reserve(&self.probe, per_forward, unit_bytes) {
-                Err(e) => Err(anyhow::Error::new(e)),
-                Ok(()) => {
-                    let started = Instant::now();
-                    let vectors = model.embed_in(&all, per_forward);
-                    Self::busy_since(&self.stats, started);
-                    vectors
-                }
-            };
-            match result {
-                // A text runs alone below its own length: smaller passes would not help.
-                Err(e) if per_forward > tern_models::embed::MAX_TOKENS_PER_TEXT && memory::is_out_of_memory(&e) => {
-                    per_forward /= 2;
-                    self.caps.embed_tokens = per_forward;
-                    self.split(Family::Embedder, per_forward, &self.embed_tokens, &format!("{e:#}"));
-                }
-                result => break (result, unit_bytes),
-            }
-        };
-        match result {
-            Ok(vectors) => {
-                let mut vectors = vectors.into_iter();
-                for (texts, reply) in jobs {
-                    let mine: Vec<_> = vectors.by_ref().take(texts.len()).collect();
-                    let _ = reply.send(Ok(Served { value: mine, model: name.clone() }));
-                }
-            }
-            Err(e) => {
-                let e = EngineError::Inference(format!("{e:#}"));
-                jobs.into_iter().for_each(|(_, reply)| drop(reply.send(Err(e.clone()))));
-            }
-        }
-        self.calibrate(unit, self.limits.embed_tokens, self.ceilings.embed_tokens.min(self.caps.embed_tokens), &self.embed_tokens);
-    }
-
-    /// Runs the generation requests of `group` and lets more join while they decode
-    /// (continuous batching): between steps, generation requests waiting on `rx` join as long
-    /// as the tokens in flight (prompt + max_tokens of each running request) stay within the
-    /// batch budget. Once a request of another family waits, none join, so the batch drains and
-    /// that request runs next. Each reply goes out as soon as its request finishes.
-    fn generate(&mut self, group: Vec<Request>, rx: &mpsc::Receiver<Request>) {
-        let name = self.name_of(Family::Llm);
-        let model = match self.cache.get(Family::Llm, &name) {
-            Ok((m, _)) => downcast::<tern_models::generate::Llm>(m),
-            Err(e) => {
-                for r in group {
-                    if let Request::Generate { reply, .. } = r {
-                        let _ = reply.send(Err(e.clone()));
-                    }
-                }
-                return;
-            }
-        };
-        struct Job {
-            prompt: Prompt,
-            options: GenerateOptions,
-            on_text: Box<dyn FnMut(&str, usize) -> bool + Send>,
-        }
-        // Jobs live until the batch ends; the requests borrow them while newcomers are added.
-        let jobs: typed_arena::Arena<Job> = typed_arena::Arena::new();
-        // Per request number: its reply and its cost (prompt tokens are not known before its
-        // prompt is rendered, so the cost counts max_tokens plus the prompt's characters / 4).
-        // The progress sender sits behind a lock so that `done` can drop it: the job's
-        // progress loop ends only when it is gone, and its closure lives until the batch ends.
-        type Progress = Arc<Mutex<Option<tokio_mpsc::UnboundedSender<(String, usize)>>>>;
-        let replies: std::cell::RefCell<Vec<Option<(Reply<Generation>, usize, Progress)>>> = Default::default();
-        let in_flight = std::cell::Cell::new(0usize);
-        let budget = self.limits.generate_tokens.max(1);
-        let mut waiting: VecDeque<Request> = group.into();
-        let mut installs = Vec::new();
-        let backlog = &mut self.backlog;
-        let started = Instant::now();
-        let (mut served, mut joined_late) = (0usize, 0usize);
-        let mut first_call = true;
-        let mut admit = |_running: usize| -> Vec<GenerationRequest<'_>> {
-            if !first_call {
-                // Newcomers, unless another family or a model swap is waiting for the model
-                // thread: then the batch drains and that goes next.
-                while backlog.is_empty() && installs.is_empty() {
-                    match rx.try_recv() {
-                        Ok(r @ Request::Generate { .. }) => waiting.push_back(r),
-                        Ok(Request::Install { family, name, loaded, reply }) => installs.push((family, name, loaded, reply)),
-                        Ok(r) => backlog.push_back(r),
-                        Err(_) => break,
-                    }
-                }
-            }
-            let mut out = Vec::new();
-            while let Some(Request::Generate { .. }) = waiting.front() {
-                let Some(Request::Generate { prompt, options, progress, stop, reply }) = waiting.pop_front() else { unreachable!() };
-                let cost = options.max_tokens + prompt.approximate_tokens();
-                // The first request always runs, however costly.
-                if in_flight.get() > 0 && in_flight.get() + cost > budget {
-                    waiting.push_front(Request::Generate { prompt, options, progress, stop, reply });
-                    break;
-                }
-                in_flight.set(in_flight.get() + cost);
-                let progress: Progress = Arc::new(Mutex::new(Some(progress)));
-                replies.borrow_mut().push(Some((reply, cost, progress.clone())));
-                if !first_call {
-                    joined_late += 1;
-                }
-                let on_text = Box::new(move |text: &str, tokens: usize| {
-                    if let Some(p) = progress.lock().expect("not poisoned").as_ref() {
-                        let _ = p.send((text.to_string(), tokens));
-                    }
-                    !stop.load(Ordering::Relaxed)
-                });
-                let job = jobs.alloc(Job { prompt, options, on_text });
-                out.push(GenerationRequest { prompt: &job.prompt, options: &job.options, on_text: job.on_text.as_mut() });
-            }
-            first_call = false;
-            out
-        };
-        let mut done = |number: usize, result: anyhow::Result<Generation>| {
-            let Some((reply, cost, progress)) = replies.borrow_mut().get_mut(number).and_then(Option::take) else { return };
-            progress.lock().expect("not poisoned").take();
-            in_flight.set(in_flight.get().saturating_sub(cost));
-            served += 1;
-            let result = result.map_err(|e| match e.downcast_ref::<GenerateError>() {
-                // A stop is seen by the job itself; the rest are the input's fault.
-                Some(g) if *g != GenerateError::Canceled => EngineError::Rejected { code: g.code(), message: g.to_string() },
-                _ => EngineError::Inference(format!("{e:#}")),
-            });
-            let _ = reply.send(result.map(|value| Served { value, model: name.clone() }));
-        };
-        model.generate_continuous(&mut admit, &mut done);
-        Self::busy_since(&self.stats, started);
-        drop(admit);
-        drop(done);
-        tracing::info!(requests = served, joined_late, model_ms = started.elapsed().as_millis() as u64, "generation batch done");
-        // Requests that did not fit run in the next batch; installs wait for the batch to end.
-        for r in waiting.into_iter().rev() {
-            self.backlog.push_front(r);
-        }
-        for (family, name, loaded, reply) in installs {
-            self.install(family, name, *loaded, reply);
-        }
+    fn busy(&self, started: Instant) {
+        self.stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 }
 
