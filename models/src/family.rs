@@ -5,8 +5,8 @@
 //! implements [`Family`] (how a model folder loads, what it weighs, how its batches are sized)
 //! and [`FamilyModel`] on the loaded model (its warmup, whose working memory the worker measures
 //! to size batches, its health check, and running a batch of its requests through [`BatchRun`],
-//! what the worker's model thread offers a batch), and one line in [`FAMILIES`]. The worker maps
-//! job kinds to families (`worker/src/kinds/`).
+//! what the worker's model thread offers a batch). The worker lists the families it serves and
+//! maps job kinds to them (`worker/src/engine/cache.rs`, `Family`).
 
 use std::any::Any;
 use std::path::Path;
@@ -16,14 +16,6 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 
 use crate::precision::Precision;
-
-/// Every family a worker can serve: registering a family is one line here.
-pub static FAMILIES: &[&dyn Family] = &[&crate::whisper::family::FAMILY, &crate::embed::family::FAMILY, &crate::generate::family::FAMILY];
-
-/// The family called `name` (see [`Family::name`]).
-pub fn by_name(name: &str) -> Option<&'static dyn Family> {
-    FAMILIES.iter().copied().find(|f| f.name() == name)
-}
 
 /// How a worker loads and warms up its models.
 #[derive(Debug, Clone)]

@@ -5,8 +5,7 @@
 //! - [`embed`]: sentence embeddings with BERT-family encoders (all-MiniLM-L6-v2).
 //! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template,
 //!   on tern's own llama forward pass over the file's quantized blocks on the CPU.
-//! - [`family`]: a model family as a plug-in (load, warmup, health check), and the registry of
-//!   families a worker can serve.
+//! - [`family`]: a model family as a plug-in (load, warmup, health check, running its batches).
 //! - [`wer`]: word error rate, to check transcripts against references.
 //! - [`precision`]: Whisper's precision: F32 on the CPU, F16 (or BF16) on GPUs.
 //! - [`cpu_threads`] and `allocator` (feature `allocator`): process settings that the binaries

@@ -117,6 +117,18 @@ fn host_port(url: &str) -> String {
     authority.rsplit('@').next().unwrap_or_default().to_string()
 }
 
+/// Jobs of `ids` whose events hold other than exactly one terminal state.
+async fn jobs_without_one_end(cluster: &Cluster, ids: &[Uuid]) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
+         WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state IN ('succeeded', 'failed', 'canceled')) <> 1",
+    )
+    .bind(ids)
+    .fetch_one(&cluster.pg)
+    .await
+    .unwrap()
+}
+
 /// Submits every job in batches, retrying each batch (same idempotency keys, so a retry after
 /// a lost answer is the same jobs) until it is accepted; returns the accepted ids.
 async fn submit_through_faults(http: reqwest::Client, base: String, hook: String) -> Vec<Uuid> {
@@ -252,14 +264,7 @@ async fn thousands_of_jobs_survive_killed_workers_and_every_backing_service_fail
     let terminal: i64 = states.values().sum();
     let lost = JOBS as i64 - terminal;
     // Exactly one terminal event per job, and at most one success.
-    let not_one_end: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
-         WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state IN ('succeeded', 'failed', 'canceled')) <> 1",
-    )
-    .bind(&ids)
-    .fetch_one(&cluster.pg)
-    .await
-    .unwrap();
+    let not_one_end = jobs_without_one_end(&cluster, &ids).await;
     let twice: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
          WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state = 'succeeded') > 1",
@@ -414,15 +419,7 @@ async fn a_job_running_with_its_start_unrecorded_runs_once_when_redis_loses_its_
 
     let states = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
     assert_eq!(states.get("succeeded").copied(), Some(N as i64), "{states:?}");
-    let twice: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM unnest($1::uuid[]) AS j(id)
-         WHERE (SELECT count(*) FROM job_events e WHERE e.job_id = j.id AND e.state IN ('succeeded', 'failed', 'canceled')) <> 1",
-    )
-    .bind(&ids)
-    .fetch_one(&cluster.pg)
-    .await
-    .unwrap();
-    assert_eq!(twice, 0, "a job without exactly one end");
+    assert_eq!(jobs_without_one_end(&cluster, &ids).await, 0, "a job without exactly one end");
     // A run stopped when its worker heard the lease was lost ends before its fetch; every run
     // that reached its end fetched once.
     let fetched = fetched.lock().unwrap().clone();

@@ -188,21 +188,13 @@ extern "C" __global__ void tern_rope_store(const float* qkv, int rows, const uns
     store_qkv_pair(r, o, row[o], row[o + 1], meta, cosines, sines, q, kc, vc, heads, kv_heads, d, positions);
 }
 
-// x[r] += delta[r] (skipped where has_delta is 0), then h[r] = x[r] rms-normed by `norm`. One
-// block a row.
-extern "C" __global__ void tern_add_rms_norm(float* x, const float* delta, int has_delta, int n, const float* norm, float eps,
-                                             float* h) {
+// h[r] = x[r] rms-normed by `norm` (the residual sums are in x already: the products add into
+// it). One block a row.
+extern "C" __global__ void tern_rms_norm(const float* x, int n, const float* norm, float eps, float* h) {
     __shared__ float red[32];
-    float* xr = x + (size_t)blockIdx.x * n;
+    const float* xr = x + (size_t)blockIdx.x * n;
     float s = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = xr[i];
-        if (has_delta) {
-            v += delta[(size_t)blockIdx.x * n + i];
-            xr[i] = v;
-        }
-        s += v * v;
-    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
     float inv = rsqrtf(block_reduce(s, red, false) / n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) h[(size_t)blockIdx.x * n + i] = xr[i] * inv * norm[i];
 }

@@ -41,12 +41,14 @@ const MAX_POSITIONS: usize = 8192;
 /// The kernels, loaded on the model's device at its first fused step.
 pub(super) struct Kernels {
     stream: Arc<CudaStream>,
+    /// candle's cuBLAS handle, bound to that stream.
+    blas: Arc<candle_core::cuda_backend::cudarc::cublas::CudaBlas>,
     gemv: CudaFunction,
     gemv_add: CudaFunction,
     gemv_gate_up: CudaFunction,
     gemv_qkv: CudaFunction,
     rope_store: CudaFunction,
-    add_rms_norm: CudaFunction,
+    rms_norm: CudaFunction,
     silu_mul: CudaFunction,
     attention: CudaFunction,
 }
@@ -67,12 +69,13 @@ impl Kernels {
         let f = |name: &str| dev.get_or_load_custom_func(name, "tern_fused_step", ptx).map(|f| f.into_cuda_function());
         Ok(Kernels {
             stream: dev.cuda_stream(),
+            blas: dev.cublas_handle(),
             gemv: f("tern_gemv")?,
             gemv_add: f("tern_gemv_add")?,
             gemv_gate_up: f("tern_gemv_gate_up")?,
             gemv_qkv: f("tern_gemv_qkv")?,
             rope_store: f("tern_rope_store")?,
-            add_rms_norm: f("tern_add_rms_norm")?,
+            rms_norm: f("tern_rms_norm")?,
             silu_mul: f("tern_silu_mul")?,
             attention: f("tern_decode_attention")?,
         })
@@ -185,10 +188,9 @@ impl BatchedLlama {
             let (sw, lw) = norm.storage_and_layout();
             let wv = view::<f32>(&sw, lw)?;
             let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-            let mut b = kernels.builder(&kernels.add_rms_norm);
-            let has = 0i32;
-            b.arg(&xv).arg(&xv).arg(&has).arg(&hidden_i).arg(&wv).arg(&eps).arg(&nv);
-            // SAFETY: rows x hidden floats in x, the delta and normed; hidden in the norm.
+            let mut b = kernels.builder(&kernels.rms_norm);
+            b.arg(&xv).arg(&hidden_i).arg(&wv).arg(&eps).arg(&nv);
+            // SAFETY: rows x hidden floats in x and normed; hidden in the norm.
             unsafe { b.launch(cfg) }.w()?;
             Ok(())
         };
@@ -214,7 +216,7 @@ impl BatchedLlama {
             } else {
                 norm_x(&layer.attn_norm.weight)?;
                 let qkv = qkv_out.as_ref().expect("more rows");
-                self.product(dev, &nv, wqkv, qkv.device_ptr(&kernels.stream).0, n, false)?;
+                self.product(kernels, &nv, wqkv, qkv.device_ptr(&kernels.stream).0, n, false)?;
                 let mut b = kernels.builder(&kernels.rope_store);
                 b.arg(qkv).arg(&rows_i).arg(&metav).arg(&cosv).arg(&sinv).arg(&qv).arg(&kv).arg(&vv);
                 b.arg(&heads_i).arg(&kv_i).arg(&d_i).arg(&pos_i);
@@ -248,15 +250,15 @@ impl BatchedLlama {
                 self.gemv_add(kernels, wdown, &gv, n, ffn, &xv, hidden)?;
             } else {
                 let x_ptr = xv.device_ptr(&kernels.stream).0;
-                self.product(dev, &av, wo, x_ptr, n, true)?;
+                self.product(kernels, &av, wo, x_ptr, n, true)?;
                 norm_x(&layer.ffn_norm.weight)?;
                 let gu = gu_out.as_ref().expect("more rows");
-                self.product(dev, &nv, wgu, gu.device_ptr(&kernels.stream).0, n, false)?;
+                self.product(kernels, &nv, wgu, gu.device_ptr(&kernels.stream).0, n, false)?;
                 let mut b = kernels.builder(&kernels.silu_mul);
                 b.arg(gu).arg(&rows_i).arg(&ffn_i).arg(&gv);
                 // SAFETY: rows x 2 ffn in, rows x ffn out.
                 unsafe { b.launch(blocks(n * ffn, THREADS as usize)) }.w()?;
-                self.product(dev, &gv, wdown, x_ptr, n, true)?;
+                self.product(kernels, &gv, wdown, x_ptr, n, true)?;
             }
         }
         let output = dense(&self.output)?;
@@ -276,7 +278,7 @@ impl BatchedLlama {
         } else {
             norm_x(&self.norm.weight)?;
             let out = alloc::<f32>(dev, n * vocab)?;
-            self.product(dev, &nv, output, out.device_ptr(&kernels.stream).0, n, false)?;
+            self.product(kernels, &nv, output, out.device_ptr(&kernels.stream).0, n, false)?;
             tensor(out, dev, (n, vocab))
         };
         drop(caches);
@@ -291,7 +293,7 @@ impl BatchedLlama {
     /// products, or TF32 tensor-core ones where [`BatchedLlama::set_tf32_products`] is on. The
     /// output is the caller's buffer (reused by every layer, or the residual stream itself), so
     /// a step allocates no tensor per product.
-    fn product(&self, dev: &CudaDevice, a: &CudaView<'_, f32>, w: &Tensor, out: CUdeviceptr, rows: usize, accumulate: bool) -> anyhow::Result<()> {
+    fn product(&self, kernels: &Kernels, a: &CudaView<'_, f32>, w: &Tensor, out: CUdeviceptr, rows: usize, accumulate: bool) -> anyhow::Result<()> {
         use candle_core::cuda_backend::cudarc::cublas::{result::gemm_ex, sys};
         let (outs, k) = w.dims2()?;
         anyhow::ensure!(a.len() == rows * k, "fused step: a product of {} values by {outs}x{k}", a.len());
@@ -302,17 +304,15 @@ impl BatchedLlama {
         };
         let (sw, lw) = w.storage_and_layout();
         let wv = view::<f32>(&sw, lw)?;
-        let blas = dev.cublas_handle();
-        let stream = dev.cuda_stream();
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
-        let (ap, _ga) = a.device_ptr(&stream);
-        let (wp, _gw) = wv.device_ptr(&stream);
+        let (ap, _ga) = a.device_ptr(&kernels.stream);
+        let (wp, _gw) = wv.device_ptr(&kernels.stream);
         // Row-major out (rows x outs) is column-major outs x rows = wᵀ(col-major k x outs)ᵀ · a.
         // SAFETY: w holds outs x k floats, a rows x k, out rows x outs (the caller's), all used
         // on this one stream in order.
         unsafe {
             gemm_ex(
-                *blas.handle(),
+                *kernels.blas.handle(),
                 sys::cublasOperation_t::CUBLAS_OP_T,
                 sys::cublasOperation_t::CUBLAS_OP_N,
                 outs as i32,
