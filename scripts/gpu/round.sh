@@ -19,8 +19,8 @@
 #              logits, then generation (dense, 1..256 requests) with tokens picked on the
 #              device and on the host, and kept quantized, GPU use sampled
 #   fused      the fused decoding step against candle's ops on the same caches (1 to 256
-#              requests, F32 and TF32 products), then generation (dense, fused steps) with TF32
-#              products (the default) and F32 ones: one request, 16, 64 and 256 together, GPU
+#              requests, F32 and TF32 products), then generation (dense, fused steps) with F32
+#              products (the default) and TF32 ones: one request, 16, 64 and 256 together, GPU
 #              use sampled
 #   whisper-full  Whisper tiny.en at full 30 s padding (the worker's default, the reference's
 #              transcripts): greedy at budgets 1, 256 and 1,024, beam 5 at 256 and 1,024 with
@@ -177,8 +177,8 @@ fused() {
   local b="$ROOT/bin/tern-bench-models" m
   step "fused: the fused step against candle's ops on the same caches"
   "$b" --device cuda --only step-check 2>&1 | tee "$OUT/step-check.log"
-  # auto: TF32 products for steps of more than 8 requests (the default); f32: F32 products.
-  for m in auto f32; do
+  # auto: F32 products (the default); tf32-products: TF32 ones for steps of more than 8 requests.
+  for m in auto tf32-products; do
     step "fused: generation, dense, fused steps, precision $m"
     with_gpu_samples "$OUT/smi-generate-$m.csv" "$b" --device cuda --only generate --llm-weights dense \
       --precision $m --gen-batches 16,64,256 2>&1 | tee "$OUT/generate-$m.log"

@@ -59,8 +59,9 @@ struct Cli {
     /// `f16` or `bf16`. On a CPU with AVX-512 BF16, `auto` also has Whisper and the embedder
     /// take BF16 products with F32 sums (about twice F32's rate; same word error rates), and
     /// `f32` keeps F32 products. On the CPU the embedder takes `f16` and `bf16` as `auto`. The
-    /// language model keeps its GGUF quantisation on the CPU; on a GPU its weights are F32 and
-    /// steps of more than 8 requests multiply on TF32 tensor cores unless `f32`.
+    /// language model keeps its GGUF quantisation on the CPU; on a GPU its weights are F32, and
+    /// `tf32-products` multiplies its steps of more than 8 requests on TF32 tensor cores
+    /// (faster, at a measured cost in results: docs/gpu.md).
     #[arg(long, env = "TERN_PRECISION", default_value = "auto")]
     precision: tern_models::precision::Precision,
     /// Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory free

@@ -144,7 +144,7 @@ pub(crate) struct BatchedLlama {
     /// serves the model ([`BatchedLlama::set_fused_step`]).
     fused_step: std::sync::atomic::AtomicBool,
     /// The fused step's cuBLAS products (steps of more than `fused_step::MAX_ROWS` rows) on
-    /// TF32 tensor cores: default true ([`BatchedLlama::set_tf32_products`]).
+    /// TF32 tensor cores: default false ([`BatchedLlama::set_tf32_products`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     tf32_products: std::sync::atomic::AtomicBool,
     #[cfg(feature = "cuda")]
@@ -278,7 +278,7 @@ impl BatchedLlama {
             device: device.clone(),
             caches: Arc::default(),
             fused_step: false.into(),
-            tf32_products: true.into(),
+            tf32_products: false.into(),
             #[cfg(feature = "cuda")]
             kernels: Default::default(),
         };
@@ -300,9 +300,9 @@ impl BatchedLlama {
         self.fused_step.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether the fused step multiplies steps of more than 8 rows on TF32 tensor cores (the
-    /// default) or in F32 (`TERN_PRECISION=f32`). TF32 rounds each product's inputs to 10 bits
-    /// of mantissa and sums in F32: a 256-request step of SmolLM2 3.5 ms against 4.6 in F32 on
+    /// Whether the fused step multiplies steps of more than 8 rows on TF32 tensor cores
+    /// (`TERN_PRECISION=tf32-products`) or in F32 (the default). TF32 rounds each product's inputs to 10 bits
+    /// of mantissa and sums in F32: a 256-request step of SmolLM2 3.0 ms against 4.6 in F32 on
     /// an H200, logits within 0.2% of the largest (docs/benchmarks.md). No effect off a GPU.
     pub(crate) fn set_tf32_products(&self, on: bool) {
         self.tf32_products.store(on, std::sync::atomic::Ordering::Relaxed);

@@ -465,14 +465,13 @@ impl Llm {
     }
 
     /// The precision of a GPU's larger decoding steps (more than 8 requests, the fused step's
-    /// cuBLAS products): `Auto` (the default), `F16` and `Bf16` take TF32 tensor cores (inputs
-    /// rounded to 10 bits of mantissa, F32 sums; llama.cpp's CUDA products round activations
-    /// further, to 8 bits), `F32` and `Bf16Products` F32. Weights stay F32 either way; no
-    /// effect on the CPU.
+    /// cuBLAS products): F32 (the default, what the reference computes) but for
+    /// [`Precision::Tf32Products`], which takes TF32 tensor cores (inputs rounded to 10 bits of
+    /// mantissa, F32 sums). Weights stay F32 either way; no effect on the CPU.
     pub fn set_precision(&self, precision: crate::precision::Precision) {
         use crate::precision::Precision;
         if let Weights::Batched(b) = &self.weights {
-            b.set_tf32_products(!matches!(precision, Precision::F32 | Precision::Bf16Products));
+            b.set_tf32_products(precision == Precision::Tf32Products);
         }
     }
 

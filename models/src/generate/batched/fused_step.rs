@@ -14,8 +14,8 @@
 //! F32 throughout, as the unfused step: the two differ only in the order of additions
 //! (`tern-bench-models --only step-check` measures by how much), except the cuBLAS products of
 //! steps of more than [`MAX_ROWS`] rows where [`BatchedLlama::set_tf32_products`] asks for TF32
-//! tensor cores (F32 in and out, inputs rounded to 10 bits of mantissa, F32 sums; the default on a
-//! GPU, as llama.cpp's own CUDA products round activations further). Only for dense weights
+//! tensor cores (F32 in and out, inputs rounded to 10 bits of mantissa, F32 sums; chosen with
+//! `TERN_PRECISION=tf32-products`, never the default). Only for dense weights
 //! ([`super::WeightLayout::Dense`]) whose widths are multiples of 4 and heads of at most 256.
 
 use std::sync::OnceLock;
