@@ -5,6 +5,7 @@
 //! - [`embed`]: sentence embeddings with BERT-family encoders (all-MiniLM-L6-v2).
 //! - [`generate`]: text generation with SmolLM2-135M-Instruct (GGUF) and its ChatML template,
 //!   on tern's own llama forward pass over the file's quantized blocks on the CPU.
+//! - [`diffusion`]: image generation with Stable Diffusion from diffusers folders.
 //! - [`family`]: a model family as a plug-in (load, warmup, health check, running its batches).
 //! - [`wer`]: word error rate, to check transcripts against references.
 //! - [`precision`]: Whisper's precision: F32 on the CPU, F16 (or BF16) on GPUs.
@@ -21,6 +22,7 @@ pub use tern_audio as audio;
 mod bert;
 pub mod cpu_threads;
 mod linear;
+pub mod diffusion;
 pub mod embed;
 pub mod family;
 pub mod generate;
