@@ -195,11 +195,18 @@ const CHARS_PER_TOKEN: usize = 4;
 const EMBED_MAX_TOKENS: usize = 256;
 /// `max_tokens` of a generate job that gives none.
 const GENERATE_DEFAULT_MAX_TOKENS: usize = 256;
+/// Pixels of an image as image costs are estimated: 512 x 512, the native size of SD 1.5 and
+/// SD-Turbo (the workers' default model); the API does not know the model's own.
+const IMAGE_REFERENCE_PIXELS: u64 = 512 * 512;
+/// Guidance of an image job that gives none (diffusers' default): above 1, so guided.
+const IMAGE_DEFAULT_GUIDANCE: f64 = 7.5;
 
 /// The cost the queue packs batches by, for kinds whose cost follows from the input alone:
 /// embed: padded tokens (texts x the longest text's tokens, with [CLS]/[SEP]); generate: prompt
-/// tokens plus `max_tokens`. Transcription costs are set later, from the probed audio duration.
-/// Estimates: the API holds no tokenizer.
+/// tokens plus `max_tokens`; image: UNet rows, the unit image batches are sized in (one per
+/// image, two under guidance, times its pixels' share of [`IMAGE_REFERENCE_PIXELS`]).
+/// Transcription costs are set later, from the probed audio duration. Estimates: the API holds
+/// no tokenizer, and knows no image model's native size.
 fn estimated_cost(kind: JobKind, input: &Value) -> i32 {
     let tokens = |s: &str| s.chars().count().div_ceil(CHARS_PER_TOKEN);
     let cost = match kind {
@@ -217,6 +224,16 @@ fn estimated_cost(kind: JobKind, input: &Value) -> i32 {
             };
             let max_tokens = input["max_tokens"].as_u64().map_or(GENERATE_DEFAULT_MAX_TOKENS, |n| n as usize);
             prompt + max_tokens
+        }
+        JobKind::Image => {
+            let images = input["n"].as_u64().unwrap_or(1);
+            // Classifier-free guidance runs an unconditional row beside each image's.
+            let guided = input["guidance"].as_f64().unwrap_or(IMAGE_DEFAULT_GUIDANCE) > 1.0;
+            let pixels = match (input["width"].as_u64(), input["height"].as_u64()) {
+                (Some(w), Some(h)) => w * h,
+                _ => IMAGE_REFERENCE_PIXELS,
+            };
+            (images * if guided { 2 } else { 1 } * pixels.div_ceil(IMAGE_REFERENCE_PIXELS).max(1)) as usize
         }
         JobKind::Echo | JobKind::Transcribe | JobKind::AudioEmbed => 1,
     };
@@ -380,4 +397,55 @@ fn too_long(seconds: f64, limit: f64) -> ApiError {
         "audio_too_long",
         format!("the audio lasts at least {seconds:.1} s; the limit is {limit:.0} s"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_image_job_costs_its_unet_rows() {
+        let cost = |input: Value| parse(&json!({ "kind": "image", "input": input }), None).map(|s| s.job.cost);
+        let prompt = "a lighthouse at dusk";
+        // Guided by default: two rows an image.
+        assert_eq!(cost(json!({ "prompt": prompt })).unwrap(), 2);
+        assert_eq!(cost(json!({ "prompt": prompt, "n": 4, "steps": 30 })).unwrap(), 8);
+        // Unguided (Turbo models): one; 8.0 is the integer 8, as JSON Schema counts it.
+        assert_eq!(cost(json!({ "prompt": prompt, "n": 8.0, "guidance": 0 })).unwrap(), 8);
+        assert_eq!(cost(json!({ "prompt": prompt, "guidance": 1 })).unwrap(), 1);
+        // Larger than 512 x 512: its pixels' share, rounded up; smaller: still a row.
+        assert_eq!(cost(json!({ "prompt": prompt, "width": 1024, "height": 1024, "guidance": 0 })).unwrap(), 4);
+        assert_eq!(cost(json!({ "prompt": prompt, "width": 768, "height": 512, "n": 2 })).unwrap(), 8);
+        assert_eq!(cost(json!({ "prompt": prompt, "width": 64, "height": 64, "guidance": 0 })).unwrap(), 1);
+        assert_eq!(cost(json!({ "prompt": prompt, "width": 2048, "height": 2048, "n": 8 })).unwrap(), 256);
+    }
+
+    #[test]
+    fn image_inputs_outside_their_limits_are_invalid_input() {
+        let refused = |input: Value| parse(&json!({ "kind": "image", "input": input }), None).err().map(|e| (e.status.as_u16(), e.code));
+        let prompt = "a lighthouse at dusk";
+        for bad in [
+            json!({}),
+            json!({ "prompt": "" }),
+            json!({ "prompt": "x".repeat(32769) }),
+            json!({ "prompt": prompt, "width": 500 }),
+            json!({ "prompt": prompt, "height": 56 }),
+            json!({ "prompt": prompt, "width": 2056 }),
+            json!({ "prompt": prompt, "steps": 0 }),
+            json!({ "prompt": prompt, "steps": 151 }),
+            json!({ "prompt": prompt, "guidance": -0.5 }),
+            json!({ "prompt": prompt, "guidance": 30.5 }),
+            json!({ "prompt": prompt, "seed": -1 }),
+            json!({ "prompt": prompt, "seed": 1.5 }),
+            json!({ "prompt": prompt, "n": 0 }),
+            json!({ "prompt": prompt, "n": 9 }),
+            json!({ "prompt": prompt, "scheduler": "lms" }),
+            json!({ "prompt": prompt, "size": "512x512" }),
+        ] {
+            assert_eq!(refused(bad.clone()), Some((422, "invalid_input")), "{bad}");
+        }
+        let widest = json!({ "prompt": prompt, "negative_prompt": "fog", "width": 2048, "height": 64, "steps": 150, "guidance": 30, "seed": 9007199254740991_u64, "n": 8, "scheduler": "euler_a" });
+        assert_eq!(refused(widest), None);
+    }
 }

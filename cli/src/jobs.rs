@@ -41,7 +41,7 @@ pub enum Command {
 }
 
 /// Waits for one job with its progress; the finished job.
-async fn wait_one(api: &Api, out: &Output, id: &str, label: &str) -> Result<Value> {
+pub(crate) async fn wait_one(api: &Api, out: &Output, id: &str, label: &str) -> Result<Value> {
     let mut last = Value::Null;
     watch::wait_all(api, out, vec![Watched { id: id.into(), label: label.into() }], 1, |_, job| {
         last = job;
@@ -52,7 +52,7 @@ async fn wait_one(api: &Api, out: &Output, id: &str, label: &str) -> Result<Valu
 }
 
 /// The output of a finished job: inline, or downloaded.
-async fn output_of(api: &Api, job: &Value) -> Result<Value> {
+pub(crate) async fn output_of(api: &Api, job: &Value) -> Result<Value> {
     if let Some(inline) = job["output"].get("inline") {
         return Ok(inline.clone());
     }
@@ -60,7 +60,7 @@ async fn output_of(api: &Api, job: &Value) -> Result<Value> {
     Ok(serde_json::from_slice(&api.download(url).await?)?)
 }
 
-fn outcome(job: &Value) -> Outcome {
+pub(crate) fn outcome(job: &Value) -> Outcome {
     if job["state"] == "succeeded" {
         Outcome::Ok
     } else {
@@ -68,7 +68,7 @@ fn outcome(job: &Value) -> Outcome {
     }
 }
 
-fn failure_note(out: &Output, job: &Value) {
+pub(crate) fn failure_note(out: &Output, job: &Value) {
     if job["state"] != "succeeded" {
         out.note(&format!("job {} {}: {}", job["id"].as_str().unwrap_or(""), job["state"].as_str().unwrap_or(""), job["error"]["message"].as_str().unwrap_or("")));
     }

@@ -1,5 +1,5 @@
-//! `tern`: tern from the shell. Transcribe a directory of recordings, embed, generate, submit
-//! and watch jobs, run batches, steer queues and keys.
+//! `tern`: tern from the shell. Transcribe a directory of recordings, embed, generate, make
+//! images, submit and watch jobs, run batches, steer queues and keys.
 //!
 //! Output is for people on a terminal (progress bars, tables, text) and JSON when stdout is
 //! not one (`--json` forces it), so scripts can pipe it. Exit codes: 0 all went well, 1 a job
@@ -9,6 +9,7 @@
 mod admin;
 mod api;
 mod batch;
+mod image;
 mod jobs;
 mod output;
 mod profile;
@@ -22,7 +23,7 @@ use output::Output;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "tern", version, about = "tern from the shell: transcribe, embed, generate, submit and watch jobs, run batches, steer queues")]
+#[command(name = "tern", version, about = "tern from the shell: transcribe, embed, generate, make images, submit and watch jobs, run batches, steer queues")]
 struct Cli {
     /// The profile to use (see `tern profile`); default: the config's `default_profile`, else `default`.
     #[arg(long, global = true, env = "TERN_PROFILE")]
@@ -68,6 +69,9 @@ enum Command {
         #[arg(long)]
         priority: Option<String>,
     },
+    /// Make images from a prompt (Stable Diffusion) with a bar of the denoising steps, and
+    /// download them as PNGs into --output-dir, named `<job id>-<i>.png`; prints their paths.
+    Image(image::Args),
     /// Submit a job of any kind: `--input` is its input as JSON, or @FILE.
     Submit {
         kind: String,
@@ -154,6 +158,7 @@ async fn run(cli: Cli, out: &Output) -> Result<Outcome> {
         Command::Generate { prompt, system, max_tokens, temperature, priority } => {
             jobs::generate(&api, out, jobs::GenerateArgs { prompt, system, max_tokens, temperature, priority }).await
         }
+        Command::Image(args) => image::run(&api, out, args).await,
         Command::Submit { kind, input, priority, idempotency_key, wait } => {
             jobs::submit(&api, out, &kind, &input, priority, idempotency_key, wait).await
         }

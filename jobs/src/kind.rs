@@ -21,11 +21,16 @@ pub enum JobKind {
     /// unit per 30 s window, batched with transcriptions' windows.
     #[serde(rename = "audio_embed")]
     AudioEmbed,
+    /// Images from a text prompt with a Stable Diffusion pipeline: 1 to 8 PNGs of up to
+    /// 2048 x 2048. Costs UNet rows, the unit its batches are sized in: one per image, two under
+    /// guidance, times the image's pixels' share of the model's native size (estimated at
+    /// submit).
+    Image,
 }
 
 impl JobKind {
     /// Every kind, in a stable order.
-    pub const ALL: &'static [JobKind] = &[JobKind::Echo, JobKind::Transcribe, JobKind::Embed, JobKind::Generate, JobKind::AudioEmbed];
+    pub const ALL: &'static [JobKind] = &[JobKind::Echo, JobKind::Transcribe, JobKind::Embed, JobKind::Generate, JobKind::AudioEmbed, JobKind::Image];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -34,6 +39,7 @@ impl JobKind {
             JobKind::Embed => "embed",
             JobKind::Generate => "generate",
             JobKind::AudioEmbed => "audio_embed",
+            JobKind::Image => "image",
         }
     }
 
@@ -56,7 +62,7 @@ impl JobKind {
         match self {
             JobKind::Echo => &["file"],
             JobKind::Transcribe | JobKind::AudioEmbed => &["audio"],
-            JobKind::Embed | JobKind::Generate => &[],
+            JobKind::Embed | JobKind::Generate | JobKind::Image => &[],
         }
     }
 }

@@ -27,6 +27,7 @@ pub fn documents(kind: JobKind) -> (&'static str, &'static str) {
             include_str!("../../schemas/audio_embed.input.json"),
             include_str!("../../schemas/audio_embed.output.json"),
         ),
+        JobKind::Image => (include_str!("../../schemas/image.input.json"), include_str!("../../schemas/image.output.json")),
     }
 }
 
@@ -98,5 +99,18 @@ mod tests {
                          "file": {"size": 3, "sha256": "a".repeat(64)}});
         assert!(validate_output(JobKind::Echo, &out).is_ok());
         assert!(validate_output(JobKind::Echo, &json!({"input": 1})).is_err());
+    }
+
+    #[test]
+    fn image_output_schema_describes_what_the_worker_writes_and_the_api_shows() {
+        let image = json!({"key": "outputs/0190f0f0-0000-7000-8000-000000000000.3.0.png", "width": 512, "height": 512, "seed": 42});
+        let mut out = json!({"model": "sd-turbo", "images": [image], "scheduler": "euler_a", "steps": 4, "guidance": 0.0,
+                             "timings": {"encode_ms": 12, "denoise_ms": 800, "decode_ms": 90}});
+        assert!(validate_output(JobKind::Image, &out).is_ok());
+        // As GET shows it inline: each image with its presigned URL.
+        out["images"][0]["url"] = json!("https://s3.example/tern/outputs/x.0.png?X-Amz-Signature=abc");
+        assert!(validate_output(JobKind::Image, &out).is_ok());
+        out["scheduler"] = json!("lms");
+        assert!(validate_output(JobKind::Image, &out).is_err());
     }
 }

@@ -8,11 +8,16 @@ Usage: sdk_check.py PHASE BASE_URL API_KEY LIBRIVOX_DIR
   batch      the Batch API: a file uploaded, a batch run to its output file, listed,
              canceled, and the file deleted
   langchain  LangChain's OpenAI client (langchain-openai): chat, streamed chat, embeddings
+  images     image generation as URLs and as base64 PNGs, with tern's extensions through
+             extra_body, and its errors (on a worker with a Stable Diffusion pipeline)
 Prints one line per check; exits non-zero at the first that fails.
 """
 
+import base64
 import io
 import json
+import struct
+import urllib.request
 import math
 import time
 import re
@@ -251,6 +256,27 @@ def batch():
     expect_error("deleted file", lambda: client.files.retrieve(uploaded.id), 404, "file_not_found")
 
 
+def png_size(data):
+    """A PNG's width and height, from its IHDR chunk."""
+    check("a PNG", data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", repr(data[:16]))
+    return struct.unpack(">II", data[16:24])
+
+
+def images():
+    # Few steps, small images: the worker runs a tiny pipeline.
+    fast = {"steps": 2, "seed": 11}
+    by_url = client.images.generate(model="dall-e-2", prompt="a lighthouse at dusk", n=2, size="64x128", extra_body=fast)
+    check("images as URLs", len(by_url.data) == 2 and by_url.created > 0 and all(d.url for d in by_url.data), str(by_url)[:200])
+    pngs = [urllib.request.urlopen(d.url).read() for d in by_url.data]
+    check("each URL downloads its PNG", [png_size(p) for p in pngs] == [(64, 128)] * 2)
+    inline = client.images.generate(model="x", prompt="a lighthouse at dusk", n=2, size="64x128", response_format="b64_json", extra_body=fast)
+    decoded = [base64.b64decode(d.b64_json) for d in inline.data]
+    check("images as base64, the same seed's images", decoded == pngs)
+    expect_error("a size off the grid", lambda: client.images.generate(prompt="p", size="100x100"), 400, "invalid_size", "size")
+    expect_error("a style", lambda: client.images.generate(prompt="p", style="vivid"), 400, "unsupported_parameter", "style")
+    expect_error("too many images", lambda: client.images.generate(prompt="p", n=9), 422, "invalid_input")
+
+
 def langchain():
     from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
@@ -268,5 +294,5 @@ def langchain():
     check("LangChain embeddings", len(vectors) == 2 and len(vectors[0]) == 384 and cosine > 0.5, f"cos(cat, kitten) {cosine:.2f}")
 
 
-{"main": main, "translate": translate, "batch": batch, "langchain": langchain}[phase]()
+{"main": main, "translate": translate, "batch": batch, "langchain": langchain, "images": images}[phase]()
 print("all checks passed")

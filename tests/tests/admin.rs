@@ -212,7 +212,7 @@ async fn a_worker_killed_mid_job_shows_as_lost_and_its_job_runs_again_elsewhere(
         .unwrap();
     let w = worker_view(&cluster, "worker1").await.unwrap();
     assert_eq!(w["state"], "active", "{w}");
-    assert_eq!(w["kinds"], json!(["echo", "transcribe", "embed", "generate", "audio_embed"]), "{w}");
+    assert_eq!(w["kinds"], json!(["echo", "transcribe", "embed", "generate", "audio_embed", "image"]), "{w}");
     assert_eq!(w["device"], "cpu");
     assert!(w["memory"]["rss_bytes"].as_u64().unwrap() > 0, "{w}");
 

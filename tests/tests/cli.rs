@@ -1,7 +1,7 @@
 //! The `tern` CLI against a real deployment, a test per command: transcribing a directory of
 //! recordings (progress shown, then again with nothing left to do, then resumed), embed,
-//! generate, submit, jobs list/get/watch/cancel/retry, batch create, queues, keys, profiles,
-//! and the exit codes that say what failed.
+//! generate, image, submit, jobs list/get/watch/cancel/retry, batch create, queues, keys,
+//! profiles, and the exit codes that say what failed.
 
 use serde_json::{json, Value};
 use std::path::Path;
@@ -105,7 +105,7 @@ async fn tern_runs_every_other_command() {
     let config = work.path().join("config.toml");
 
     // --help everywhere.
-    for args in [&["--help"][..], &["transcribe", "--help"], &["jobs", "watch", "--help"], &["batch", "create", "--help"]] {
+    for args in [&["--help"][..], &["transcribe", "--help"], &["image", "--help"], &["jobs", "watch", "--help"], &["batch", "create", "--help"]] {
         let help = tern(&cluster, &config, args);
         assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("Usage"), "{args:?}");
     }
@@ -213,6 +213,37 @@ async fn tern_runs_every_other_command() {
 /// A recording over 8 MiB goes as an upload, recorded before its job is submitted: a run cut
 /// off between the submit and the record names the same upload again, so its job is a replay,
 /// not a conflict or a second job, and a run whose job is recorded uploads nothing.
+#[tokio::test]
+async fn tern_image_downloads_the_pngs_into_a_folder() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    // The diffusion family's tiny random-weight pipeline.
+    let fixtures = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
+    let models = fixtures.display().to_string();
+    let _worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "image"), ("TERN_MODELS_DIR", models.as_str()), ("TERN_IMAGE_MODEL", "sd-tiny")]).unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let config = work.path().join("config.toml");
+    let out = work.path().join("images");
+    let made = tern(&cluster, &config, &["image", "a lighthouse at dusk", "--size", "64x128", "--steps", "2", "-n", "2", "--seed", "3", "--scheduler", "ddim", "-o", out.to_str().unwrap()]);
+    assert!(made.status.success(), "{}", stderr(&made));
+    let answer = &lines(&made)[0];
+    let id = answer["id"].as_str().unwrap();
+    let images = answer["images"].as_array().unwrap();
+    assert_eq!(images.len(), 2, "{answer}");
+    for (i, image) in images.iter().enumerate() {
+        let path = out.join(format!("{id}-{i}.png"));
+        assert_eq!(image["path"].as_str(), Some(path.to_str().unwrap()), "{answer}");
+        assert_eq!(image["seed"].as_u64(), Some(3 + i as u64));
+        let reader = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&path).unwrap())).read_info().unwrap();
+        assert_eq!((reader.info().width, reader.info().height), (64, 128));
+    }
+    // Bad usage is 2; what the API refuses, 3.
+    let usage = tern(&cluster, &config, &["image", "a lighthouse", "--size", "64"]);
+    assert_eq!(usage.status.code(), Some(2));
+    let refused = tern(&cluster, &config, &["image", "a lighthouse", "--steps", "0"]);
+    assert_eq!(refused.status.code(), Some(3));
+    assert!(stderr(&refused).contains("invalid_input"), "{}", stderr(&refused));
+}
+
 #[tokio::test]
 async fn a_large_recording_is_neither_uploaded_nor_submitted_twice_by_runs_again() {
     let cluster = Cluster::start(&[]).await.unwrap();

@@ -3,8 +3,8 @@
 //! streamed, a recording over 30 minutes, translations, embeddings as floats and base64, chat
 //! and text completions plain and streamed, and errors in OpenAI's shape
 //! (`tests/openai/sdk_check.py` holds the checks); the Batch API through the SDK; LangChain's
-//! OpenAI client (chat, streamed chat, embeddings). Each request is a job through the queue,
-//! and a client that hangs up cancels its job.
+//! OpenAI client (chat, streamed chat, embeddings); image generation as URLs and base64. Each
+//! request is a job through the queue, and a client that hangs up cancels its job.
 
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -35,6 +35,17 @@ fn run_checks(cluster: &Cluster, phase: &str) {
     println!("{text}");
     assert!(output.status.success(), "the SDK's {phase} checks failed:\n{text}");
     assert!(text.contains("all checks passed"), "{text}");
+}
+
+/// Images through the SDK, on the diffusion family's tiny random-weight pipeline.
+#[tokio::test]
+async fn the_openai_sdk_makes_images() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
+    let models = fixtures.display().to_string();
+    let _worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "image"), ("TERN_MODELS_DIR", models.as_str()), ("TERN_IMAGE_MODEL", "sd-tiny")]).unwrap();
+    run_checks(&cluster, "images");
+    assert_eq!(jobs_by_kind(&cluster).await, json!({ "image": 2 }), "the refused requests made no job");
 }
 
 /// Jobs of each kind in this cluster's database.

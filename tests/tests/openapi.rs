@@ -21,7 +21,7 @@ async fn every_documented_operation_is_routed_and_every_v1_operation_needs_a_key
     let cluster = Cluster::start(&[]).await.unwrap();
     let doc = document(&cluster).await;
     assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"), "{}", doc["openapi"]);
-    for kind in ["Echo", "Transcribe", "Embed", "Generate"] {
+    for kind in ["Echo", "Transcribe", "Embed", "Generate", "Image"] {
         for side in ["Input", "Output"] {
             assert!(doc["components"]["schemas"][format!("{kind}{side}")].is_object(), "{kind}{side} schema missing");
         }

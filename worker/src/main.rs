@@ -82,6 +82,11 @@ struct Cli {
     /// in the running generation batch, which jobs pulled later join between decoding steps.
     #[arg(long, env = "TERN_GENERATE_BATCH_TOKENS", default_value_t = 4096)]
     generate_batch_tokens: usize,
+    /// Most UNet rows in one batch of image jobs (an image is one row, two under guidance, times
+    /// its pixels' share of the model's native size). Default: calibrated from the memory free
+    /// and the memory per row measured at warmup, at most 8 on the CPU and 64 on a GPU.
+    #[arg(long, env = "TERN_IMAGE_BATCH_ROWS")]
+    image_batch_rows: Option<usize>,
     /// How much of the silence padding a Whisper window shorter than 30 s the encoder runs:
     /// `full` (the default: as Whisper was trained, and as faster-whisper and OpenAI's
     /// reference compute it), or the audio plus this many seconds (at least 0.5): a 6 s clip
@@ -131,7 +136,8 @@ struct Cli {
     /// Whisper model for `transcribe` jobs: a CTranslate2 (faster-whisper) folder under the
     /// models directory, or a hub id such as `hf:Systran/faster-whisper-base` (downloaded once
     /// into the models directory; HF_ENDPOINT and HF_TOKEN are honoured). The same holds for
-    /// the embedding and language models (`hf:OWNER/NAME/FILE.gguf` for a GGUF repository).
+    /// the embedding, language and image models (`hf:OWNER/NAME/FILE.gguf` for a GGUF
+    /// repository).
     #[arg(long, env = "TERN_WHISPER_MODEL", default_value = "whisper-tiny.en")]
     whisper_model: String,
     /// Sentence-embedding model for `embed` jobs: a Hugging Face folder (BERT family) under the
@@ -142,6 +148,10 @@ struct Cli {
     /// under the models directory.
     #[arg(long, env = "TERN_LLM_MODEL", default_value = "smollm2-135m-instruct")]
     llm_model: String,
+    /// Stable Diffusion pipeline for `image` jobs: a diffusers folder (`model_index.json`,
+    /// `unet/`, `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`) under the models directory.
+    #[arg(long, env = "TERN_IMAGE_MODEL", default_value = "sd-turbo")]
+    image_model: String,
     /// Where `GET /metrics` (Prometheus) listens; `off` for nowhere. A port in use is logged
     /// and skipped, so several workers on one host need their own.
     #[arg(long, env = "TERN_METRICS_ADDR", default_value = "0.0.0.0:9464")]
@@ -263,6 +273,7 @@ async fn run() -> anyhow::Result<()> {
         whisper: cli.whisper_model.clone(),
         embedder: cli.embed_model.clone(),
         llm: cli.llm_model.clone(),
+        diffusion: cli.image_model.clone(),
     };
     // A worker starting after a swap runs the active versions from its first job.
     let active = model_swap::active_at_start(&store, &kinds).await;
@@ -327,6 +338,7 @@ async fn run() -> anyhow::Result<()> {
                     windows: cli.transcribe_batch_windows.map(|n| n.max(1)),
                     embed_tokens: cli.embed_batch_tokens.map(|n| n.max(1)),
                     generate_tokens: cli.generate_batch_tokens.max(1),
+                    image_rows: cli.image_batch_rows.map(|n| n.max(1)),
                     whisper_beams: cli.whisper_beam_size as usize,
                 },
                 engine::memory::MemoryProbe::for_device(&cli.device, cli.memory_precheck),

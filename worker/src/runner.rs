@@ -374,16 +374,13 @@ impl Runner {
                     output.inline = inline;
                     return Some(Outcome::Succeeded(output));
                 }
-                // The key carries the lease token: a stale attempt can never overwrite the
-                // objects a newer attempt recorded.
-                let stem = format!("outputs/{}.{}", job.id, job.lease_token.unwrap_or_default());
                 let _permit = self.uploads.acquire().await.expect("never closed");
                 let stored = async {
-                    let mut output = self.objects.put(&format!("{stem}.{extension}"), body, content_type).await?;
+                    let mut output = self.objects.put(&kinds::output_key(job, extension), body, content_type).await?;
                     output.inline = inline;
                     for extra in extras {
-                        let file = self.objects.put(&format!("{stem}.{}", extra.format), extra.body, extra.content_type).await?;
-                        output.formats.insert(extra.format.to_string(), file);
+                        let file = self.objects.put(&kinds::output_key(job, &extra.format), extra.body, extra.content_type).await?;
+                        output.formats.insert(extra.format, file);
                     }
                     tern_jobs::Result::Ok(output)
                 };

@@ -1,8 +1,8 @@
 //! OpenAI-compatible routes, so that code written against OpenAI's API (its SDKs, LangChain,
 //! LiteLLM) runs on tern unchanged: `POST /v1/audio/transcriptions`, `/v1/audio/translations`,
 //! `/v1/embeddings`, `/v1/audio/embeddings` (tern's own: a recording as a vector),
-//! `/v1/chat/completions`, `/v1/completions`, `GET /v1/models`, and the
-//! Batch API over them (`/v1/files`, `/v1/batches`, see [`batch`]).
+//! `/v1/chat/completions`, `/v1/completions`, `/v1/images/generations`, `GET /v1/models`, and
+//! the Batch API over them (`/v1/files`, `/v1/batches`, see [`batch`]).
 //!
 //! Each request is a job like any other: the same API keys (`Authorization: Bearer`), checks,
 //! tenant limits, queue, priority (`X-Tern-Priority`, default `normal`), metrics and timeline.
@@ -17,6 +17,7 @@ pub mod batch;
 pub mod chat;
 pub mod embeddings;
 pub mod files;
+pub mod images;
 pub mod models;
 pub mod route;
 
@@ -49,6 +50,7 @@ pub fn router(max_audio_upload: usize, max_batch_file: usize) -> Router<AppState
         .route("/v1/embeddings", post(embeddings::create))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(chat::completions))
+        .route("/v1/images/generations", post(images::generations))
         .route("/v1/files", post(files::upload).layer(DefaultBodyLimit::max(max_batch_file)).get(files::list))
         .route("/v1/files/{id}", get(files::get).delete(files::delete))
         .route("/v1/files/{id}/content", get(files::content))

@@ -1,6 +1,7 @@
 //! `GET /v1/models` and `GET /v1/models/{id}`: the models live workers serve. Each kind a live
-//! worker pulls is listed by its kind (`transcribe`, `embed`, `generate`), and each model a
-//! worker holds in memory by its name. Requests may name any model: the kind's model runs.
+//! worker pulls is listed by its kind (`transcribe`, `embed`, `generate`, `image`), and each
+//! model a worker holds in memory by its name. Requests may name any model: the kind's model
+//! runs.
 
 use super::OpenAiError;
 use crate::auth::Caller;
@@ -32,6 +33,7 @@ async fn served(state: &AppState) -> Result<Vec<(String, i64, String)>, OpenAiEr
             let kind = match model["family"].as_str().unwrap_or_default() {
                 "whisper" => "transcribe",
                 "embedder" => "embed",
+                "diffusion" => "image",
                 _ => "generate",
             };
             models.push((name.to_string(), started.timestamp(), kind.to_string()));

@@ -46,6 +46,7 @@ pub enum JobKind {
     Generate,
     #[serde(rename = "audio_embed")]
     AudioEmbed,
+    Image,
 }
 
 /// Where a job is in its life. `succeeded`, `failed` and `canceled` are final.
@@ -122,7 +123,8 @@ pub enum Scope {
 #[derive(Serialize, ToSchema)]
 pub struct JobRequest {
     pub kind: JobKind,
-    /// The kind's input (EchoInput, TranscribeInput, EmbedInput or GenerateInput).
+    /// The kind's input (EchoInput, TranscribeInput, EmbedInput, GenerateInput, Audio_embedInput
+    /// or ImageInput).
     pub input: Value,
     /// Default `normal`.
     pub priority: Option<Priority>,
@@ -185,7 +187,7 @@ pub struct Job {
     /// The input as stored: base64 files appear as the `upload_key` they were moved to.
     pub input: Value,
     /// What the job weighs in a batch: 1 for echo, 30 s windows for transcribe, (estimated)
-    /// tokens for embed and generate.
+    /// tokens for embed and generate, (estimated) UNet rows for image.
     pub cost: i32,
     /// Attempts started so far.
     pub attempts: i32,
@@ -216,7 +218,8 @@ pub struct Job {
     /// Ready jobs of its kind that run before it (0: it is next). Only from `GET
     /// /v1/jobs/{id}` (and the admin's), while it is `queued`; null otherwise.
     pub queue_position: Option<u64>,
-    /// How far it got, while it runs and once its worker reported (transcribe, generate).
+    /// How far it got, while it runs and once its worker reported (transcribe, generate,
+    /// image).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
 }
@@ -241,15 +244,17 @@ pub struct JobOutput {
     /// Hex SHA-256 of the bytes.
     pub sha256: String,
     pub content_type: String,
-    /// GET URL of the output that needs no key (JSON: EchoOutput, TranscribeOutput, EmbedOutput
-    /// or GenerateOutput): presigned S3, or a signed `/outputs/{id}` link for an output kept in
-    /// Postgres; it expires (`TERN_PRESIGN_TTL_SECS`, 1 h by default).
+    /// GET URL of the output that needs no key (JSON: EchoOutput, TranscribeOutput, EmbedOutput,
+    /// GenerateOutput, Audio_embedOutput or ImageOutput): presigned S3, or a signed
+    /// `/outputs/{id}` link for an output kept in Postgres; it expires (`TERN_PRESIGN_TTL_SECS`,
+    /// 1 h by default).
     pub url: String,
-    /// Other renderings of the same result by format name (`srt`, `vtt` for transcriptions);
-    /// absent when there are none.
+    /// Other renderings of the same result by format name (`srt`, `vtt` for transcriptions), and
+    /// the files it made (`0.png`, `1.png`, ... for images); absent when there are none.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub formats: BTreeMap<String, OutputFormat>,
-    /// The output itself, for kinds that inline it (embed, generate) when it is under 64 KiB.
+    /// The output itself, for kinds that inline it (embed, generate, audio_embed, image) when it
+    /// is under 64 KiB; an image job's `images` each get a presigned `url` here.
     #[serde(skip_serializing_if = "Value::is_null")]
     pub inline: Value,
 }
@@ -268,7 +273,8 @@ pub struct OutputFormat {
 /// How far a running job got.
 #[derive(Serialize, ToSchema)]
 pub struct Progress {
-    /// Units done: 30 s windows (transcribe) or tokens generated (generate).
+    /// Units done: 30 s windows (transcribe), tokens generated (generate) or denoising steps
+    /// (image).
     pub done: u64,
     /// Units in all (for generate, `max_tokens`: an upper bound).
     pub total: u64,
@@ -761,7 +767,8 @@ pub struct LiveWorker {
     pub batch_in_hand: Value,
     /// How the worker sizes batches: `probe` (`cuda`: the driver's free memory; `host`: peak
     /// resident set), `free_bytes` (the device's, less 1 GiB of headroom; null on the CPU),
-    /// `budgets` (`transcribe_windows`, `embed_tokens`, `generate_tokens` pulled per batch),
+    /// `budgets` (`transcribe_windows`, `embed_tokens`, `generate_tokens`, `image_rows` pulled
+    /// per batch),
     /// `oom_splits` (batches run again at half size for want of memory) and `busy_seconds`
     /// (time its model thread spent in model calls). Null for workers without models.
     pub batching: Value,
@@ -837,6 +844,7 @@ pub enum ModelKind {
     Transcribe,
     Embed,
     Generate,
+    Image,
 }
 
 /// `POST /v1/admin/models`.

@@ -22,11 +22,13 @@ pub enum Family {
     Embedder,
     /// Llama-architecture GGUF (`model.gguf`).
     Llm,
+    /// Stable Diffusion pipeline, diffusers folder (`model_index.json`, `unet/`, `vae/`, ...).
+    Diffusion,
 }
 
 impl Family {
     /// Every family, in the order the admin API lists them.
-    pub const ALL: [Family; 3] = [Family::Whisper, Family::Embedder, Family::Llm];
+    pub const ALL: [Family; 4] = [Family::Whisper, Family::Embedder, Family::Llm, Family::Diffusion];
 
     /// The family a job kind runs; `None` for kinds without a model (echo).
     pub fn of_kind(kind: tern_jobs::JobKind) -> Option<Family> {
@@ -36,6 +38,7 @@ impl Family {
             JobKind::Transcribe | JobKind::AudioEmbed => Some(Family::Whisper),
             JobKind::Embed => Some(Family::Embedder),
             JobKind::Generate => Some(Family::Llm),
+            JobKind::Image => Some(Family::Diffusion),
         }
     }
 
@@ -45,6 +48,7 @@ impl Family {
             Family::Whisper => &tern_models::whisper::family::FAMILY,
             Family::Embedder => &tern_models::embed::family::FAMILY,
             Family::Llm => &tern_models::generate::family::FAMILY,
+            Family::Diffusion => &tern_models::diffusion::family::FAMILY,
         }
     }
 }

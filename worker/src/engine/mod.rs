@@ -17,6 +17,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+use tern_models::diffusion::family::ImageWork;
+use tern_models::diffusion::{ImageOutput, ImageRequest};
 use tern_models::embed::family::EmbedWork;
 use tern_models::family::{BatchRun, Work, WorkError};
 use tern_models::generate::family::GenerateWork;
@@ -31,6 +33,7 @@ pub struct ModelNames {
     pub whisper: String,
     pub embedder: String,
     pub llm: String,
+    pub diffusion: String,
 }
 
 impl ModelNames {
@@ -39,6 +42,7 @@ impl ModelNames {
             Family::Whisper => &self.whisper,
             Family::Embedder => &self.embedder,
             Family::Llm => &self.llm,
+            Family::Diffusion => &self.diffusion,
         }
     }
 
@@ -48,6 +52,7 @@ impl ModelNames {
             Family::Whisper => &mut self.whisper,
             Family::Embedder => &mut self.embedder,
             Family::Llm => &mut self.llm,
+            Family::Diffusion => &mut self.diffusion,
         };
         std::mem::replace(slot, name)
     }
@@ -81,6 +86,11 @@ pub struct BatchLimits {
     /// while they fit); they decode together, one pass through the weights per step for all of
     /// them, on the CPU and on a GPU. Default 4096.
     pub generate_tokens: usize,
+    /// Most UNet rows in one batch of image jobs (an image is one row, two under guidance,
+    /// times its pixels' share of the model's native size). `None`: calibrated from the memory
+    /// free and the memory per row measured at warmup, at most 8 on the CPU and 64 on a GPU;
+    /// halved when a batch runs out of memory.
+    pub image_rows: Option<usize>,
     /// Hypotheses a window decodes at the worker's default beam size
     /// (`TERN_WHISPER_BEAM_SIZE`, default 5): the Whisper warmup decodes that many rows a
     /// window, so the memory measured per window, and the budget from it, holds a beam search.
@@ -94,6 +104,7 @@ impl BatchLimits {
             Family::Whisper => self.windows,
             Family::Embedder => self.embed_tokens,
             Family::Llm => Some(self.generate_tokens),
+            Family::Diffusion => self.image_rows,
         }
     }
 }
@@ -220,7 +231,7 @@ pub struct BatchingReport {
     pub probe: &'static str,
     /// Memory batches may still take now, where the probe can tell (a GPU).
     pub free_bytes: Option<u64>,
-    /// The cost pulled per batch: windows, padded tokens, prompt + max tokens.
+    /// The cost pulled per batch: windows, padded tokens, prompt + max tokens, UNet rows.
     pub budgets: serde_json::Value,
     /// Batches split because they ran out of memory.
     pub oom_splits: u64,
@@ -335,6 +346,7 @@ impl Engine {
                 "transcribe_windows": self.batch_budget(Family::Whisper),
                 "embed_tokens": self.batch_budget(Family::Embedder),
                 "generate_tokens": self.batch_budget(Family::Llm),
+                "image_rows": self.batch_budget(Family::Diffusion),
             }),
             oom_splits: self.stats.oom_splits.load(Ordering::Relaxed),
             busy_seconds: self.stats.busy_ns.load(Ordering::Relaxed) as f64 / 1e9,
@@ -371,7 +383,8 @@ impl Engine {
     }
 
     /// The cost budget for one pulled batch of `family`'s jobs, in its unit: windows for
-    /// transcription, padded tokens for embeddings, prompt + max tokens for generation.
+    /// transcription, padded tokens for embeddings, prompt + max tokens for generation, UNet
+    /// rows for images.
     pub fn batch_budget(&self, family: Family) -> i64 {
         self.budgets.get(&family).map_or(1, |b| b.load(Ordering::Relaxed)).max(1)
     }
@@ -441,6 +454,38 @@ impl Engine {
             answer_reply(result, model)
         });
         self.run(Family::Llm, Box::new(GenerateWork { prompt, options, on_text, reply }), answer).await
+    }
+
+    /// Generates `request.n` images (default 1) of one prompt; (steps done, steps in all)
+    /// arrives on `progress` after each denoising step of the batch it runs in; raising `stop`
+    /// ends it at the next step (the reply is then an error, code `canceled`). Unset fields of
+    /// `request` take the pipeline's defaults (the model's native size, 50 steps, guidance 7.5,
+    /// a random seed), which the output states.
+    pub async fn image(
+        &self,
+        request: ImageRequest,
+        progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<Served<ImageOutput>, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        // As for `generate`: the reply drops the progress sender, which ends the job's progress
+        // loop; `on_step` lives until the batch ends.
+        let progress = Arc::new(Mutex::new(Some(progress)));
+        let on_step = {
+            let progress = progress.clone();
+            Box::new(move |done: usize, total: usize| {
+                if let Some(p) = progress.lock().expect("not poisoned").as_ref() {
+                    let _ = p.send((done, total));
+                }
+                !stop.load(Ordering::Relaxed)
+            })
+        };
+        let answer_reply = answer_with(reply);
+        let reply = Box::new(move |result, model: &str| {
+            progress.lock().expect("not poisoned").take();
+            answer_reply(result, model)
+        });
+        self.run(Family::Diffusion, Box::new(ImageWork { request, on_step, reply }), answer).await
     }
 }
 
@@ -640,8 +685,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_swap_applies_while_a_closed_loop_keeps_a_transcription_batch_running() {
         let dir = models_dir();
-        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into() };
-        let limits = BatchLimits { windows: Some(4), embed_tokens: None, generate_tokens: 4096, whisper_beams: 1 };
+        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-turbo".into() };
+        let limits = BatchLimits { windows: Some(4), embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
         let engine = Arc::new(Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, MemoryProbe::Host));
         let clip = std::fs::read(dir.join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")).expect("test speech: run scripts/models.sh");
         let pcm = tern_models::audio::decode_mono_16k(&clip).unwrap();
@@ -694,6 +739,49 @@ mod tests {
         assert!(models[..12].iter().all(|m| m == "whisper-tiny.en"));
     }
 
+    /// An image request on the diffusion family's tiny fixture (random weights) reports each
+    /// denoising step, ending at steps/steps; with its stop raised it ends after its first step,
+    /// `canceled`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_image_request_reports_each_step_and_stops_when_asked() {
+        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
+        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-tiny".into() };
+        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
+        let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, MemoryProbe::Host);
+        let request = ImageRequest {
+            prompt: "a lighthouse at dusk".into(),
+            width: Some(64),
+            height: Some(64),
+            steps: Some(3),
+            seed: Some(5),
+            n: Some(2),
+            scheduler: Some(tern_models::diffusion::SchedulerKind::Euler),
+            ..Default::default()
+        };
+        // A request of several images may hear a step once per image.
+        let steps_seen = |mut rx: tokio_mpsc::UnboundedReceiver<(usize, usize)>| {
+            let mut seen = Vec::new();
+            while let Ok(step) = rx.try_recv() {
+                seen.push(step);
+            }
+            seen.dedup();
+            seen
+        };
+
+        let (progress, rx) = tokio_mpsc::unbounded_channel();
+        let served = engine.image(request.clone(), progress, Arc::default()).await.unwrap();
+        assert_eq!(served.model, "sd-tiny");
+        let out = served.value;
+        assert_eq!(out.steps, 3);
+        assert_eq!(out.images.iter().map(|i| (i.width, i.height, i.seed, i.rgb.len())).collect::<Vec<_>>(), [(64, 64, 5, 64 * 64 * 3), (64, 64, 6, 64 * 64 * 3)]);
+        assert_eq!(steps_seen(rx), [(1, 3), (2, 3), (3, 3)]);
+
+        let (progress, rx) = tokio_mpsc::unbounded_channel();
+        let stopped = engine.image(request, progress, Arc::new(AtomicBool::new(true))).await.unwrap_err();
+        assert_eq!(stopped.code(), "canceled", "{stopped}");
+        assert_eq!(steps_seen(rx), [(1, 3)]);
+    }
+
     /// A batch that runs out of memory (here the probe's free memory cannot hold its windows,
     /// as a GPU's allocator would refuse them) is run again at half size until it fits: every
     /// recording is transcribed as it is alone, none fails, and the budget shrinks to what ran.
@@ -701,8 +789,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_that_runs_out_of_memory_is_split_and_no_job_fails() {
         let dir = models_dir();
-        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into() };
-        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, whisper_beams: 1 };
+        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-turbo".into() };
+        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
         // The warmup measures 100 MiB per window; 4 GiB are free until the test says otherwise.
         let (probe, figures) = MemoryProbe::fixed(4 << 30, 100 << 20);
         let engine = Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names.clone(), 8 << 30, limits.clone(), probe);

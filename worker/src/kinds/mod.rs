@@ -4,6 +4,7 @@ pub mod audio_embed;
 pub mod echo;
 pub mod embed;
 pub mod generate;
+pub mod image;
 pub mod subtitles;
 pub mod transcribe;
 
@@ -13,10 +14,12 @@ use crate::stop::StopSignal;
 use bytes::Bytes;
 use tern_jobs::{Failure, Job, Queue};
 
-/// Another rendering of a job's result, stored beside the primary output.
+/// Another rendering of a job's result, or a file it made, stored beside the primary output
+/// (at [`output_key`] of its format) and listed in the job's `output.formats`.
 pub struct ExtraOutput {
-    /// Format name, also the file extension (`srt`, `vtt`).
-    pub format: &'static str,
+    /// Format name, also the end of its key: the file extension (`srt`, `vtt`), or a file's
+    /// name (`0.png`, an image job's first image).
+    pub format: String,
     pub body: Bytes,
     pub content_type: &'static str,
 }
@@ -53,6 +56,13 @@ pub struct Context<'a> {
     pub whisper_padding: tern_models::whisper::Padding,
     /// Beam size of transcriptions whose input names none (`TERN_WHISPER_BEAM_SIZE`).
     pub whisper_beam_size: usize,
+}
+
+/// Where an attempt's output in `format` is stored: `outputs/{job id}.{lease token}.{format}`.
+/// The key carries the lease token: a stale attempt can never overwrite the objects a newer
+/// attempt recorded.
+pub fn output_key(job: &Job, format: &str) -> String {
+    format!("outputs/{}.{}.{format}", job.id, job.lease_token.unwrap_or_default())
 }
 
 /// A failure retrying cannot help (bad input).
@@ -113,5 +123,6 @@ pub async fn execute(job: &Job, ctx: &Context<'_>) -> Execution {
         tern_jobs::JobKind::Embed => embed::run(job, ctx).await,
         tern_jobs::JobKind::Generate => generate::run(job, ctx).await,
         tern_jobs::JobKind::AudioEmbed => audio_embed::run(job, ctx).await,
+        tern_jobs::JobKind::Image => image::run(job, ctx).await,
     }
 }

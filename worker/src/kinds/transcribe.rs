@@ -76,11 +76,11 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         extension: "json",
         extras: vec![
             ExtraOutput {
-                format: "srt",
+                format: "srt".into(),
                 body: super::subtitles::srt(&transcript.segments).into(),
                 content_type: "application/x-subrip",
             },
-            ExtraOutput { format: "vtt", body: super::subtitles::vtt(&transcript.segments).into(), content_type: "text/vtt" },
+            ExtraOutput { format: "vtt".into(), body: super::subtitles::vtt(&transcript.segments).into(), content_type: "text/vtt" },
         ],
         inline: false,
     }
