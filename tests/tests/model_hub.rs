@@ -89,3 +89,69 @@ async fn a_hub_model_id_is_downloaded_once_and_serves_jobs() {
     assert_eq!(out["model"], "hf:test-org/whisper-tiny.en");
     assert!(!out["text"].as_str().unwrap().is_empty());
 }
+
+/// A diffusers repository downloads folder by folder (`unet/`, `vae/`, `tokenizer/`, ...) and
+/// serves image jobs: the tiny random SD 1.5-style pipeline of the parity tests, laid out as a
+/// hub repository.
+#[tokio::test]
+async fn a_hub_diffusers_repository_is_downloaded_folder_by_folder_and_makes_images() {
+    let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion/sd-tiny");
+    let hub = tempfile::tempdir().unwrap();
+    let files = hub.path().join("test-org/sd-tiny/resolve/main");
+    let repo_files = [
+        "model_index.json",
+        "scheduler/scheduler_config.json",
+        "tokenizer/vocab.json",
+        "tokenizer/merges.txt",
+        "tokenizer/tokenizer_config.json",
+        "text_encoder/config.json",
+        "text_encoder/model.safetensors",
+        "unet/config.json",
+        "unet/diffusion_pytorch_model.safetensors",
+        "vae/config.json",
+        "vae/diffusion_pytorch_model.safetensors",
+    ];
+    for remote in repo_files {
+        let target = files.join(remote);
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(fixture.join(remote), target).unwrap();
+    }
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _server = FileServer(
+        std::process::Command::new("python3")
+            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+            .arg(hub.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("python3"),
+    );
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let local = tempfile::tempdir().unwrap();
+    let (endpoint, local_dir) = (format!("http://127.0.0.1:{port}"), local.path().to_str().unwrap().to_string());
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let ids = cluster
+        .submit_all(&[json!({"kind": "image", "input": {"prompt": "a lighthouse at dusk", "width": 64, "height": 64, "steps": 2, "seed": 3}})])
+        .await
+        .unwrap();
+    let worker = cluster
+        .spawn_worker(&[
+            ("HF_ENDPOINT", endpoint.as_str()),
+            ("TERN_MODELS_DIR", local_dir.as_str()),
+            ("TERN_IMAGE_MODEL", "hf:test-org/sd-tiny"),
+            ("TERN_WORKER_KINDS", "image"),
+        ])
+        .unwrap();
+    let counts = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
+    assert_eq!(counts.get("succeeded"), Some(&1), "{counts:?}\n{}", worker.log_text());
+    assert_eq!(worker.log_text().matches("downloading from the hub").count(), 11, "each file once");
+    let fetched = local.path().join("hf/test-org--sd-tiny--main/unet/diffusion_pytorch_model.safetensors");
+    assert_eq!(std::fs::metadata(&fetched).unwrap().len(), std::fs::metadata(fixture.join("unet/diffusion_pytorch_model.safetensors")).unwrap().len());
+    let (_, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
+    assert_eq!(job["output"]["inline"]["model"], "hf:test-org/sd-tiny", "{job}");
+}

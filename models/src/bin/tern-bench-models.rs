@@ -48,7 +48,7 @@ struct Args {
     #[arg(long, default_value = "auto")]
     precision: Precision,
     /// Sections to run, comma-separated: transcribe, audio-embed, embed, generate,
-    /// sampling-check (the device's token picks against the host's on the same random logits),
+    /// image (Stable Diffusion, `--image-model`), sampling-check (the device's token picks against the host's on the same random logits),
     /// step-check (the fused decoding step against candle's ops on the same caches).
     #[arg(long, value_delimiter = ',', default_value = "transcribe,audio-embed,embed,generate")]
     only: Vec<String>,
@@ -118,6 +118,21 @@ struct Args {
     /// candle's ops with them `quantized` (as stored) or `dense` (dequantized to F32 at load).
     #[arg(long, default_value = "auto")]
     llm_weights: String,
+    /// Image generation: a diffusers folder (a path, or a folder under the models directory).
+    #[arg(long, default_value = "sd-turbo")]
+    image_model: String,
+    /// Image generation: images generated together, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    image_batches: Vec<usize>,
+    /// Image generation: denoising steps (Euler, no guidance: how the Turbo models run).
+    #[arg(long, default_value_t = 1)]
+    image_steps: usize,
+    /// Image generation: width and height, pixels.
+    #[arg(long, default_value_t = 512)]
+    image_size: usize,
+    /// Image generation: timed runs per batch size after a warmup (the fastest is reported).
+    #[arg(long, default_value_t = 2)]
+    image_runs: usize,
     /// Also transcribe the clips with faster-whisper (float32, on the same CTranslate2 weights,
     /// `scripts/peers/whisper_reference.py`) through this Python (`scripts/services.sh
     /// faster-whisper` makes one: `$TERN_STATE_DIR/faster-whisper/venv/bin/python`), and print
@@ -172,8 +187,46 @@ fn main() -> Result<()> {
             "generate" => generate(&args, &dir, &device)?,
             "sampling-check" => sampling_check(&device)?,
             "step-check" => step_check(&args, &dir, &device)?,
-            other => bail!("unknown section {other:?}; use transcribe, audio-embed, embed, generate, sampling-check or step-check"),
+            "image" => image(&args, &dir, &device)?,
+            other => bail!("unknown section {other:?}; use transcribe, audio-embed, embed, generate, image, sampling-check or step-check"),
         }
+    }
+    Ok(())
+}
+
+/// Seconds per image and images per minute of a diffusers folder at each `--image-batches`
+/// size, prompts encoded, denoised and decoded (what a job costs the worker, less the PNG),
+/// printed as JSON lines beside `scripts/peers/diffusers_bench.py run`'s.
+fn image(args: &Args, dir: &Path, device: &Device) -> Result<()> {
+    use tern_models::diffusion::{BatchShape, Noise, Sample, SchedulerKind, StableDiffusion};
+    let folder = if Path::new(&args.image_model).is_dir() { PathBuf::from(&args.image_model) } else { dir.join(&args.image_model) };
+    let started = Instant::now();
+    let model = StableDiffusion::load(&folder, device, args.precision.dtype(device))?;
+    println!("image: {} loaded in {:.1} s ({:.2} GB resident)", folder.display(), started.elapsed().as_secs_f64(), model.resident_bytes() as f64 / 1e9);
+    let shape = BatchShape { width: args.image_size, height: args.image_size, steps: args.image_steps, scheduler: SchedulerKind::Euler, guided: false };
+    for &batch in &args.image_batches {
+        let samples: Vec<Sample> = (0..batch)
+            .map(|i| Sample { prompt: "a lighthouse at dusk".into(), negative_prompt: None, guidance: 0.0, noise: Noise::Seed(i as u64) })
+            .collect();
+        model.generate(shape, &samples, &mut |_, _| true)?;
+        let mut best = f64::MAX;
+        let mut phases = Default::default();
+        for _ in 0..args.image_runs.max(1) {
+            let started = Instant::now();
+            let (_, timings) = model.generate(shape, &samples, &mut |_, _| true)?;
+            let seconds = started.elapsed().as_secs_f64();
+            if seconds < best {
+                (best, phases) = (seconds, timings);
+            }
+        }
+        let tern_models::diffusion::pipeline::Timings { encode_ms, denoise_ms, decode_ms } = phases;
+        println!(
+            "{}",
+            serde_json::json!({"engine": "tern", "model": folder.file_name().map(|f| f.to_string_lossy()), "device": args.device, "batch": batch,
+                "steps": args.image_steps, "size": args.image_size, "seconds": (best * 1000.0).round() / 1000.0,
+                "seconds_per_image": (best / batch as f64 * 1000.0).round() / 1000.0, "images_per_minute": (60.0 * batch as f64 / best * 100.0).round() / 100.0,
+                "encode_ms": encode_ms, "denoise_ms": denoise_ms, "decode_ms": decode_ms})
+        );
     }
     Ok(())
 }

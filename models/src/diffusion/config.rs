@@ -223,8 +223,6 @@ impl UNetConfig {
 #[derive(Debug, Clone, Deserialize)]
 struct VaeJson {
     #[serde(default = "three")]
-    in_channels: usize,
-    #[serde(default = "three")]
     out_channels: usize,
     block_out_channels: Vec<usize>,
     #[serde(default = "one")]
@@ -256,7 +254,6 @@ fn scaling_factor() -> f64 {
 #[derive(Debug, Clone)]
 pub struct VaeConfig {
     pub candle: vae::AutoEncoderKLConfig,
-    pub in_channels: usize,
     pub out_channels: usize,
     /// Latents are divided by this before decoding (0.18215 for SD 1.x/2.x, 0.13025 for SDXL).
     pub scaling_factor: f64,
@@ -285,7 +282,6 @@ impl VaeConfig {
         let scale = 1 << (j.block_out_channels.len() - 1);
         Ok(VaeConfig {
             candle,
-            in_channels: j.in_channels,
             out_channels: j.out_channels,
             scaling_factor: j.scaling_factor,
             scale,

@@ -1,5 +1,6 @@
-//! Stable Diffusion as a [`Family`]: diffusers folders, costed in UNet rows at the model's native
-//! size (an image is one row, two under guidance; a larger image counts its pixels' share).
+//! Stable Diffusion as a [`Family`]: diffusers folders, costed in UNet rows: an image is one row
+//! (two under classifier-free guidance) times its pixels' share of the model's native size,
+//! rounded up.
 
 use std::any::Any;
 use std::path::Path;
@@ -236,7 +237,9 @@ impl FamilyModel for StableDiffusion {
         while start < samples.len() {
             let end = (start + chunk).min(samples.len());
             let part: Vec<Sample> = samples[start..end].iter().map(|(_, s)| s.clone()).collect();
-            let owners: Vec<usize> = samples[start..end].iter().map(|(o, _)| *o).collect();
+            // Each request once, however many of its images the chunk holds.
+            let mut owners: Vec<usize> = samples[start..end].iter().map(|(o, _)| *o).collect();
+            owners.dedup();
             let fits = batch.reserve(part.len() * rows_per_image);
             let (chunks_left, offset) = (samples.len().div_ceil(chunk), start / chunk.max(1));
             let result = fits.and_then(|()| {

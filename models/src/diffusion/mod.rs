@@ -6,6 +6,7 @@
 mod clip;
 mod config;
 pub mod family;
+mod layers;
 pub mod pipeline;
 pub mod scheduler;
 mod unet;

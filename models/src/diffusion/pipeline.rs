@@ -8,7 +8,6 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::stable_diffusion::vae::AutoEncoderKL;
 use rand::{Rng, SeedableRng};
 
 use super::clip::{ClipTextModel, ClipTokenizer};
@@ -102,7 +101,7 @@ pub struct StableDiffusion {
     encoders: Vec<ClipTextModel>,
     unet: UNet,
     pub(crate) unet_config: UNetConfig,
-    vae: AutoEncoderKL,
+    vae: vae::Decoder,
     pub(crate) vae_config: VaeConfig,
     pub(crate) scheduler_config: SchedulerConfig,
     pub(crate) device: Device,
@@ -138,13 +137,8 @@ impl StableDiffusion {
             .with_context(|| format!("loading {}", unet_dir.display()))?;
         let vae_dir = dir.join("vae");
         resident_bytes += component_bytes(&vae_dir, "diffusion_pytorch_model", dtype)?;
-        let vae = AutoEncoderKL::new(
-            weights(&vae_dir, "diffusion_pytorch_model", dtype, device)?,
-            vae_config.in_channels,
-            vae_config.out_channels,
-            vae_config.candle.clone(),
-        )
-        .with_context(|| format!("loading {}", vae_dir.display()))?;
+        let vae = vae::Decoder::load(weights(&vae_dir, "diffusion_pytorch_model", dtype, device)?, &vae_config)
+            .with_context(|| format!("loading {}", vae_dir.display()))?;
         Ok(StableDiffusion {
             kind: pipeline.kind,
             force_zeros_for_empty_prompt: pipeline.force_zeros_for_empty_prompt,

@@ -50,6 +50,10 @@ pub fn fetch(models_dir: &Path, name: &str, family: Family, runtime: &tokio::run
         if target.is_file() {
             continue;
         }
+        // Diffusers repositories keep each component in a folder of its own.
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+        }
         let url = format!("{}/{}/resolve/{}/{remote}", endpoint.trim_end_matches('/'), model.repo, model.revision);
         tracing::info!(%url, "downloading from the hub");
         runtime
