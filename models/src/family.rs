@@ -99,6 +99,12 @@ pub trait BatchRun {
     /// Whether a batch of `units` fits the memory free now, as the device's allocator would
     /// tell; the error is an out-of-memory error.
     fn reserve(&self, units: usize) -> Result<()>;
+    /// Bytes batches may still take now, where the worker's memory probe can tell (a GPU's free
+    /// memory, or a test's figure); `None` on the CPU. Families choose memory-saving paths by it
+    /// (the diffusion family's tiled decode).
+    fn free_bytes(&self) -> Option<u64> {
+        None
+    }
     /// A batch ran out of memory and runs again at `half` units: counted, and the budget (and
     /// the cap) lowered to `half`.
     fn split(&mut self, half: usize, error: &str);

@@ -227,6 +227,15 @@ impl FamilyModel for StableDiffusion {
                 })
             })
             .collect();
+        // Tiles where a whole decode would not fit the memory free (diffusers' tiling, as a
+        // user of diffusers turns it on for large images); whole decodes otherwise.
+        let forced_tiles = self.tile_vae;
+        let whole_bytes = super::vae::whole_decode_bytes(&self.vae_config, shape.width * shape.height);
+        self.tile_vae = forced_tiles || batch.free_bytes().is_some_and(|free| free < whole_bytes);
+        let tiled_decode = self.tile_vae;
+        if tiled_decode && !forced_tiles {
+            tracing::info!(whole_bytes, "decoding in tiles: a whole decode would not fit the memory free");
+        }
         let mut canceled = vec![false; taken.len()];
         let mut images: Vec<Option<Vec<u8>>> = vec![None; samples.len()];
         let mut timings = super::pipeline::Timings::default();
@@ -277,6 +286,7 @@ impl FamilyModel for StableDiffusion {
                 }
             }
         }
+        self.tile_vae = forced_tiles;
         batch.busy(started);
         let mut next = 0;
         for (owner, (w, r)) in taken.into_iter().enumerate() {
@@ -296,6 +306,7 @@ impl FamilyModel for StableDiffusion {
                     scheduler: r.shape.scheduler,
                     steps: r.shape.steps,
                     guidance: r.guidance,
+                    tiled_decode,
                     encode_ms: timings.encode_ms,
                     denoise_ms: timings.denoise_ms,
                     decode_ms: timings.decode_ms,

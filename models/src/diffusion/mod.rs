@@ -68,6 +68,9 @@ pub struct ImageOutput {
     pub guidance: f64,
     /// Milliseconds spent encoding the prompts, denoising and decoding (the whole batch's, shared
     /// by the requests in it).
+    /// Whether the images were decoded in tiles (`TERN_VAE_TILING=always`, or a whole decode
+    /// would not have fit the memory free).
+    pub tiled_decode: bool,
     pub encode_ms: u64,
     pub denoise_ms: u64,
     pub decode_ms: u64,

@@ -230,6 +230,15 @@ fn blend_edge(a: &Tensor, b: &Tensor, extent: usize, dim: usize) -> Result<Tenso
     Ok(Tensor::cat(&[&blended, &rest], dim)?)
 }
 
+/// Bytes a whole decode of one `pixels`-pixel image takes at its peak (F32: a resnet's input,
+/// its norm's and conv's outputs at the two widest full-size blocks, and the image): what decides
+/// between a whole and a tiled decode when memory is short.
+pub fn whole_decode_bytes(config: &VaeConfig, pixels: usize) -> u64 {
+    let widths = &config.candle.block_out_channels;
+    let (first, second) = (widths[0] as u64, widths.get(1).copied().unwrap_or(widths[0]) as u64);
+    4 * pixels as u64 * (2 * second + first + 3)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

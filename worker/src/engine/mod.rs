@@ -660,6 +660,10 @@ impl BatchRun for ThreadBatch<'_> {
         memory::reserve(self.probe, units, self.unit_bytes).map_err(anyhow::Error::new)
     }
 
+    fn free_bytes(&self) -> Option<u64> {
+        self.probe.free_bytes()
+    }
+
     fn split(&mut self, half: usize, error: &str) {
         self.budget.cap = half;
         self.stats.oom_splits.fetch_add(1, Ordering::Relaxed);
@@ -780,6 +784,37 @@ mod tests {
         let stopped = engine.image(request, progress, Arc::new(AtomicBool::new(true))).await.unwrap_err();
         assert_eq!(stopped.code(), "canceled", "{stopped}");
         assert_eq!(steps_seen(rx), [(1, 3)]);
+    }
+
+    /// With the memory free too small for a whole VAE decode (a test's figure: the CPU's probe
+    /// cannot tell), images decode in tiles, and with room enough whole; both finish.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn images_decode_in_tiles_when_a_whole_decode_would_not_fit() {
+        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
+        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-tiny".into() };
+        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
+        // 1 KiB a UNet row, so the rows always fit; a 128x128 whole decode of sd-tiny's VAE
+        // needs about 5 MiB.
+        let (probe, figures) = MemoryProbe::fixed(1 << 20, 1 << 10);
+        let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, probe);
+        let request = ImageRequest {
+            prompt: "a lighthouse at dusk".into(),
+            width: Some(128),
+            height: Some(128),
+            steps: Some(2),
+            seed: Some(5),
+            scheduler: Some(tern_models::diffusion::SchedulerKind::Euler),
+            ..Default::default()
+        };
+        let (progress, _rx) = tokio_mpsc::unbounded_channel();
+        let tight = engine.image(request.clone(), progress, Arc::default()).await.unwrap().value;
+        assert!(tight.tiled_decode, "1 MiB free: tiles");
+        figures.free_bytes.store(1 << 30, Ordering::Relaxed);
+        let (progress, _rx) = tokio_mpsc::unbounded_channel();
+        let roomy = engine.image(request, progress, Arc::default()).await.unwrap().value;
+        assert!(!roomy.tiled_decode, "1 GiB free: whole");
+        assert_eq!(tight.images[0].rgb.len(), roomy.images[0].rgb.len());
+        assert_ne!(tight.images[0].rgb, roomy.images[0].rgb, "tiles blend at their seams");
     }
 
     /// A batch that runs out of memory (here the probe's free memory cannot hold its windows,
