@@ -12,6 +12,29 @@ use tern_e2e::Cluster;
 /// A `python3 -m http.server` over `root`, killed on drop.
 struct FileServer(std::process::Child);
 
+impl FileServer {
+    /// Serves `root` on a free port, once it accepts connections.
+    async fn serve(root: &std::path::Path) -> (FileServer, u16) {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let server = FileServer(
+            std::process::Command::new("python3")
+                .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
+                .arg(root)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("python3"),
+        );
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        (server, port)
+    }
+}
+
 impl Drop for FileServer {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -28,16 +51,7 @@ async fn a_hub_model_id_is_downloaded_once_and_serves_jobs() {
     for f in ["model.bin", "config.json", "tokenizer.json"] {
         std::os::unix::fs::symlink(models.join("whisper-tiny.en").join(f), files.join(f)).unwrap();
     }
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let _server = FileServer(
-        std::process::Command::new("python3")
-            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
-            .arg(hub.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("python3"),
-    );
+    let (_server, port) = FileServer::serve(hub.path()).await;
     let local = tempfile::tempdir().unwrap();
     let endpoint = format!("http://127.0.0.1:{port}");
     let local_dir = local.path().to_str().unwrap().to_string();
@@ -60,13 +74,6 @@ async fn a_hub_model_id_is_downloaded_once_and_serves_jobs() {
         ])
         .await
         .unwrap();
-    // Wait for the server before the worker asks it.
-    for _ in 0..100 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let worker = cluster
         .spawn_worker(&[
             ("HF_ENDPOINT", endpoint.as_str()),
@@ -116,22 +123,7 @@ async fn a_hub_diffusers_repository_is_downloaded_folder_by_folder_and_makes_ima
         std::fs::create_dir_all(target.parent().unwrap()).unwrap();
         std::os::unix::fs::symlink(fixture.join(remote), target).unwrap();
     }
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let _server = FileServer(
-        std::process::Command::new("python3")
-            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1", "--directory"])
-            .arg(hub.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("python3"),
-    );
-    for _ in 0..100 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (_server, port) = FileServer::serve(hub.path()).await;
     let local = tempfile::tempdir().unwrap();
     let (endpoint, local_dir) = (format!("http://127.0.0.1:{port}"), local.path().to_str().unwrap().to_string());
     let mut cluster = Cluster::start(&[]).await.unwrap();

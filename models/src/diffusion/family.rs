@@ -9,10 +9,9 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use candle_core::DType;
 
-use super::pipeline::{weight_files, BatchShape, Noise, Sample, StableDiffusion};
+use super::pipeline::{component_bytes, BatchShape, Noise, Sample, StableDiffusion};
 use super::{Canceled, GeneratedImage, ImageOutput, ImageRequest, SchedulerKind};
 use crate::family::{downcast_all, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
-use crate::precision::Precision;
 
 /// An image request, with its progress callback and its reply.
 pub struct ImageWork {
@@ -79,10 +78,7 @@ impl Family for DiffusionFamily {
             if !dir.join(folder).is_dir() {
                 continue;
             }
-            for file in weight_files(&dir.join(folder), stem)? {
-                let stored = std::fs::metadata(&file)?.len();
-                bytes += if file.to_string_lossy().contains("fp16") && dtype == DType::F32 { stored * 2 } else { stored };
-            }
+            bytes += component_bytes(&dir.join(folder), stem, dtype)?;
         }
         Ok(bytes)
     }
@@ -107,13 +103,10 @@ impl Family for DiffusionFamily {
     }
 }
 
-/// F32 unless the worker's precision says otherwise; half precision on a GPU by default, as
-/// diffusers users run it there (`torch_dtype=torch.float16`).
+/// F32 on the CPU unless the worker's precision says otherwise; half precision on a GPU by
+/// default, as diffusers users run it there (`torch_dtype=torch.float16`).
 fn dtype(settings: &LoadSettings) -> DType {
-    match settings.precision {
-        Precision::Bf16Products | Precision::Tf32Products => DType::F32,
-        p => p.dtype(&settings.device),
-    }
+    settings.precision.dtype(&settings.device)
 }
 
 /// A request resolved against the model: what its batch must share, and its cost in rows.

@@ -315,7 +315,7 @@ impl StableDiffusion {
 }
 
 /// Bytes a component's weights take in `dtype`.
-fn component_bytes(dir: &Path, stem: &str, dtype: DType) -> Result<u64> {
+pub(crate) fn component_bytes(dir: &Path, stem: &str, dtype: DType) -> Result<u64> {
     let mut bytes = 0u64;
     for file in weight_files(dir, stem)? {
         let stored = std::fs::metadata(&file)?.len();

@@ -47,22 +47,6 @@ impl Scheduler for Ddim {
         &self.timesteps
     }
 
-    fn sigmas(&self) -> Option<&[f64]> {
-        None
-    }
-
-    fn init_noise_sigma(&self) -> f64 {
-        1.0
-    }
-
-    fn scale_model_input(&self, sample: &Tensor, _step: usize) -> Result<Tensor> {
-        Ok(sample.clone())
-    }
-
-    fn needs_noise(&self) -> bool {
-        false
-    }
-
     fn step(&mut self, model_output: &Tensor, step: usize, sample: &Tensor, _noise: Option<&Tensor>) -> Result<Tensor> {
         check_step(step, self.timesteps.len())?;
         let t = self.timesteps[step] as i64;

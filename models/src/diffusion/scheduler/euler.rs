@@ -61,11 +61,17 @@ impl Sigmas {
         div(sample, (sigma * sigma + 1.0).sqrt())
     }
 
-    /// The clean sample a v-prediction `model_output` implies at `sigma` (k-diffusion's
-    /// `c_out` and `c_skip`).
-    pub(super) fn v_original(model_output: &Tensor, sample: &Tensor, sigma: f32) -> Result<Tensor> {
-        let c_out = -sigma / (sigma * sigma + 1.0).sqrt();
-        Ok((mul(model_output, c_out)? + div(sample, sigma * sigma + 1.0)?)?)
+    /// The clean sample `model_output` implies at `sigma`: for v-prediction k-diffusion's
+    /// `c_out` and `c_skip`.
+    pub(super) fn original(prediction: PredictionType, model_output: &Tensor, sample: &Tensor, sigma: f32) -> Result<Tensor> {
+        Ok(match prediction {
+            PredictionType::Epsilon => (sample - mul(model_output, sigma)?)?,
+            PredictionType::VPrediction => {
+                let c_out = -sigma / (sigma * sigma + 1.0).sqrt();
+                (mul(model_output, c_out)? + div(sample, sigma * sigma + 1.0)?)?
+            }
+            PredictionType::Sample => model_output.clone(),
+        })
     }
 }
 
@@ -111,19 +117,11 @@ impl Scheduler for Euler {
         self.sigmas.scale_model_input(sample, step)
     }
 
-    fn needs_noise(&self) -> bool {
-        false
-    }
-
     fn step(&mut self, model_output: &Tensor, step: usize, sample: &Tensor, _noise: Option<&Tensor>) -> Result<Tensor> {
         check_step(step, self.sigmas.timesteps.len())?;
         // s_churn 0: sigma_hat is sigma and no noise is added.
         let sigma = self.sigmas.sigmas[step];
-        let original = match self.prediction {
-            PredictionType::Epsilon => (sample - mul(model_output, sigma)?)?,
-            PredictionType::VPrediction => Sigmas::v_original(model_output, sample, sigma)?,
-            PredictionType::Sample => model_output.clone(),
-        };
+        let original = Sigmas::original(self.prediction, model_output, sample, sigma)?;
         // Computed as diffusers does (not simplified to the model output), to round alike.
         let derivative = div(&(sample - original)?, sigma)?;
         let dt = self.sigmas.sigmas[step + 1] - sigma;

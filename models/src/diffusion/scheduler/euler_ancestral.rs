@@ -51,11 +51,8 @@ impl Scheduler for EulerAncestral {
         check_step(step, self.sigmas.timesteps.len())?;
         let noise = noise.context("Euler ancestral needs fresh noise at every step")?;
         let (sigma, sigma_to) = (self.sigmas.sigmas[step], self.sigmas.sigmas[step + 1]);
-        let original = match self.prediction {
-            PredictionType::Epsilon => (sample - mul(model_output, sigma)?)?,
-            PredictionType::VPrediction => Sigmas::v_original(model_output, sample, sigma)?,
-            PredictionType::Sample => bail!("prediction_type sample"),
-        };
+        // `new` refused prediction_type sample.
+        let original = Sigmas::original(self.prediction, model_output, sample, sigma)?;
         let (from2, to2) = (sigma * sigma, sigma_to * sigma_to);
         let sigma_up = (to2 * (from2 - to2) / from2).sqrt();
         let sigma_down = (to2 - sigma_up * sigma_up).sqrt();

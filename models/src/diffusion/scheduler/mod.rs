@@ -76,20 +76,28 @@ pub trait Scheduler: Send + std::fmt::Debug {
 
     /// Diffusers' `scheduler.sigmas` (one more than the timesteps, ending at the final sigma),
     /// for the schedulers that have them (Euler, Euler ancestral).
-    fn sigmas(&self) -> Option<&[f64]>;
+    fn sigmas(&self) -> Option<&[f64]> {
+        None
+    }
 
     /// What the initial Gaussian noise is multiplied by: 1 for DDIM and PNDM; for Euler the
     /// largest sigma (`linspace` and `trailing` spacings) or `sqrt(sigma_max^2 + 1)`
     /// (`leading`).
-    fn init_noise_sigma(&self) -> f64;
+    fn init_noise_sigma(&self) -> f64 {
+        1.0
+    }
 
     /// The UNet's input at step `step` (Euler divides by `sqrt(sigma^2 + 1)`; the others return
     /// the sample).
-    fn scale_model_input(&self, sample: &Tensor, step: usize) -> Result<Tensor>;
+    fn scale_model_input(&self, sample: &Tensor, _step: usize) -> Result<Tensor> {
+        Ok(sample.clone())
+    }
 
     /// Whether `step` needs fresh standard Gaussian noise (Euler ancestral: at every step, the
     /// last included, as diffusers draws it).
-    fn needs_noise(&self) -> bool;
+    fn needs_noise(&self) -> bool {
+        false
+    }
 
     /// The sample one step less noisy (diffusers' `step(...).prev_sample`), from the UNet's
     /// output at step `step` (after guidance) and the sample it was given. `noise` (the shape of
