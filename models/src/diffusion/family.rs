@@ -11,6 +11,7 @@ use candle_core::DType;
 
 use super::pipeline::{component_bytes, BatchShape, Noise, Sample, StableDiffusion};
 use super::{Canceled, GeneratedImage, ImageOutput, ImageRequest, SchedulerKind};
+use crate::precision::Precision;
 use crate::family::{downcast_all, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
 
 /// An image request, with its progress callback and its reply.
@@ -103,10 +104,14 @@ impl Family for DiffusionFamily {
     }
 }
 
-/// F32 on the CPU unless the worker's precision says otherwise; half precision on a GPU by
-/// default, as diffusers users run it there (`torch_dtype=torch.float16`).
+/// F32 by default on every device, as diffusers computes unless given a `torch_dtype`;
+/// `TERN_PRECISION=f16` (or `bf16`) chooses half precision, an option whose accuracy cost is not
+/// measured yet.
 fn dtype(settings: &LoadSettings) -> DType {
-    settings.precision.dtype(&settings.device)
+    match settings.precision {
+        Precision::Auto => DType::F32,
+        p => p.dtype(&settings.device),
+    }
 }
 
 /// A request resolved against the model: what its batch must share, and its cost in rows.
