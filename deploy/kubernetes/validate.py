@@ -2,12 +2,15 @@
 its schema (kubernetes-validate, strict: unknown fields fail), and the custom resources tern
 uses (KEDA's ScaledObject and TriggerAuthentication, the Prometheus Operator's
 ServiceMonitor) against models generated from their CRDs (cloudcoil), unknown fields failing
-there too. Any other kind fails.
+there too. Any other kind fails. Then each worker pool against its ScaledObject: every job kind
+the pool's TERN_WORKER_KINDS names has a trigger counting it, and every trigger counts a kind the
+pool serves (a pool would otherwise never wake for its work, or wake for work it cannot take).
 
 Usage: validate.py KUBERNETES_VERSION FILE...   (e.g. 1.31.0 rendered.yaml)
 Prints one line per object; exits 1 if any fails.
 """
 
+import re
 import sys
 
 import kubernetes_validate
@@ -59,18 +62,63 @@ def check(doc, version):
     return None
 
 
+KIND_IN_QUERY = re.compile(r"kind\s*(?:=\s*'(\w+)'|IN\s*\(([^)]*)\))", re.IGNORECASE)
+
+
+def pool_kinds(deployment):
+    """The job kinds a worker Deployment's TERN_WORKER_KINDS names, or None (not a worker)."""
+    for container in deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+        for env in container.get("env", []):
+            if env.get("name") == "TERN_WORKER_KINDS":
+                return set(k.strip() for k in env.get("value", "").split(",") if k.strip())
+    return None
+
+
+def trigger_kinds(scaled_object):
+    """The job kinds the postgresql triggers of a ScaledObject count."""
+    kinds = set()
+    for trigger in scaled_object.get("spec", {}).get("triggers", []):
+        for one, many in KIND_IN_QUERY.findall(trigger.get("metadata", {}).get("query", "")):
+            kinds |= {one} if one else set(re.findall(r"'(\w+)'", many))
+    return kinds
+
+
+def check_pools(docs):
+    """(what, error or None) for each worker pool of one rendered file."""
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d.get("kind") == "ScaledObject" and "scaleTargetRef" in d.get("spec", {})}
+    for d in docs:
+        if d.get("kind") != "Deployment":
+            continue
+        kinds = pool_kinds(d)
+        if kinds is None:
+            continue
+        name = d["metadata"]["name"]
+        what = f"pool {name} ({','.join(sorted(kinds))})"
+        if name not in scaled:
+            yield what, "no ScaledObject scales it"
+            continue
+        counted = trigger_kinds(scaled[name])
+        unscaled, foreign = kinds - counted, counted - kinds
+        if unscaled or foreign:
+            yield what, f"kinds served but never counted by a trigger: {sorted(unscaled)}; counted but not served: {sorted(foreign)}"
+        else:
+            yield what, None
+
+
 def main():
     version, files = sys.argv[1], sys.argv[2:]
     failed = 0
     for name in files:
         with open(name) as f:
-            for doc in yaml.safe_load_all(f):
-                if not doc:
-                    continue
-                what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
-                error = check(doc, version)
-                print(f"{name}: {what}: {'ok' if error is None else 'INVALID: ' + error}")
-                failed += error is not None
+            docs = [doc for doc in yaml.safe_load_all(f) if doc]
+        for doc in docs:
+            what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+            error = check(doc, version)
+            print(f"{name}: {what}: {'ok' if error is None else 'INVALID: ' + error}")
+            failed += error is not None
+        for what, error in check_pools(docs):
+            print(f"{name}: {what}: {'ok' if error is None else 'INVALID: ' + error}")
+            failed += error is not None
     sys.exit(1 if failed else 0)
 
 

@@ -33,9 +33,14 @@ fn every_overlay_renders_and_validates_with_a_scaled_object_per_worker_pool() {
     let production = std::fs::read_to_string(rendered.join("production.yaml")).unwrap();
     assert!(production.contains("nvidia.com/gpu: 1"), "GPU workers ask for a GPU");
 
+    assert!(stdout.contains("production.yaml: pool tern-worker-gpu (audio_embed,generate,image,transcribe): ok"), "each kind a pool serves wakes it");
+
     // The same objects, broken: a ScaledObject without its target, a Deployment field
-    // misspelled. The check names both and fails.
-    let broken = production.replacen("  scaleTargetRef:\n    name: tern-worker-cpu\n", "", 1).replacen("  replicas: 3\n", "  replica: 3\n", 1);
+    // misspelled, a pool serving a kind no trigger counts. The check names each and fails.
+    let broken = production
+        .replacen("  scaleTargetRef:\n    name: tern-worker-cpu\n", "", 1)
+        .replacen("  replicas: 3\n", "  replica: 3\n", 1)
+        .replacen("value: transcribe,audio_embed,generate,image", "value: transcribe,audio_embed,generate,image,embed", 1);
     assert_ne!(broken, production);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("broken.yaml");
@@ -46,4 +51,5 @@ fn every_overlay_renders_and_validates_with_a_scaled_object_per_worker_pool() {
     assert_eq!(out.status.code(), Some(1), "{stdout}");
     assert!(stdout.contains("ScaledObject/tern-worker-cpu: INVALID") && stdout.contains("scaleTargetRef"), "{stdout}");
     assert!(stdout.contains("Deployment/tern-api: INVALID") && stdout.contains("'replica' was unexpected"), "{stdout}");
+    assert!(stdout.contains("pool tern-worker-gpu (audio_embed,embed,generate,image,transcribe): INVALID: kinds served but never counted by a trigger: ['embed']"), "{stdout}");
 }
