@@ -99,6 +99,16 @@ pub trait BatchRun {
     /// Whether a batch of `units` fits the memory free now, as the device's allocator would
     /// tell; the error is an out-of-memory error.
     fn reserve(&self, units: usize) -> Result<()>;
+    /// As [`BatchRun::reserve`], with `freed` bytes the family released since it last read
+    /// [`BatchRun::free_bytes`] (weights it moved to host memory) counted as free.
+    fn reserve_freed(&self, units: usize, freed: u64) -> Result<()> {
+        let _ = freed;
+        self.reserve(units)
+    }
+    /// Working memory a cost unit took in the warmup, bytes (0 until measured).
+    fn unit_bytes(&self) -> u64 {
+        0
+    }
     /// Bytes batches may still take now, where the worker's memory probe can tell (a GPU's free
     /// memory, or a test's figure); `None` on the CPU. Families choose memory-saving paths by it
     /// (the diffusion family's tiled decode).

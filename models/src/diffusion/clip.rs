@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, IndexOp, Module, Tensor};
+use candle_core::{Device, IndexOp, Module, Tensor};
 use candle_nn::{embedding, layer_norm, linear, linear_no_bias, Embedding, LayerNorm, Linear, VarBuilder};
 use serde_json::{json, Value};
 
@@ -237,12 +237,5 @@ impl ClipTextModel {
     /// Transformer layers.
     pub fn layer_count(&self) -> usize {
         self.layers.len()
-    }
-
-    /// Loads `dir` (`config.json`, `model.safetensors` or `model.fp16.safetensors`).
-    pub fn load_folder(dir: &Path, dtype: DType, device: &Device) -> Result<(ClipTextModel, ClipConfig)> {
-        let config = ClipConfig::read(&dir.join("config.json"))?;
-        let vb = super::pipeline::weights(dir, "model", dtype, device)?;
-        Ok((ClipTextModel::load(vb, &config)?, config))
     }
 }

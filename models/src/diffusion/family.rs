@@ -10,7 +10,7 @@ use anyhow::{ensure, Result};
 use candle_core::DType;
 
 use super::pipeline::{component_bytes, BatchShape, Noise, Sample, StableDiffusion};
-use super::{Canceled, GeneratedImage, ImageOutput, ImageRequest, SchedulerKind};
+use super::{Canceled, GeneratedImage, ImageOutput, ImageRequest, MemoryPolicy, MemoryState, SchedulerKind};
 use crate::precision::Precision;
 use crate::family::{downcast_all, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
 
@@ -75,18 +75,28 @@ impl Family for DiffusionFamily {
     fn estimate_bytes(&self, dir: &Path, settings: &LoadSettings) -> Result<u64> {
         let dtype = dtype(settings);
         let mut bytes = 0;
-        for (folder, stem) in [("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model"), ("text_encoder_2", "model")] {
+        for (folder, stem, prefixes) in [
+            ("unet", "diffusion_pytorch_model", &[][..]),
+            ("vae", "diffusion_pytorch_model", super::vae::DECODER_PREFIXES),
+            ("text_encoder", "model", &[]),
+            ("text_encoder_2", "model", &[]),
+        ] {
             if !dir.join(folder).is_dir() {
                 continue;
             }
-            bytes += component_bytes(&dir.join(folder), stem, dtype)?;
+            bytes += component_bytes(&dir.join(folder), stem, prefixes, dtype)?;
         }
         Ok(bytes)
     }
 
     fn load(&self, dir: &Path, settings: &LoadSettings) -> Result<Box<dyn FamilyModel>> {
+        let policy = MemoryPolicy::from_env()?;
         let mut model = StableDiffusion::load(dir, &settings.device, dtype(settings))?;
         model.tile_vae = std::env::var("TERN_VAE_TILING").is_ok_and(|v| v == "always");
+        model.memory_policy = policy;
+        if let MemoryPolicy::Fixed(state) = policy {
+            model.set_memory_state(state)?;
+        }
         Ok(Box::new(model))
     }
 
@@ -225,11 +235,24 @@ impl FamilyModel for StableDiffusion {
                 })
             })
             .collect();
+        // The encoders and the VAE wait in host memory while the memory free cannot hold the
+        // batch's working memory (their bytes then make room), as the policy decides.
+        let before = self.memory_state();
+        let state = self.memory_policy.choose(before, batch.free_bytes(), rows as u64 * batch.unit_bytes(), self.offloadable_bytes());
+        let mut failure: Option<WorkError> = None;
+        if state != before {
+            tracing::info!(from = ?before, to = ?state, offloadable_bytes = self.offloadable_bytes(), "text encoders and VAE change memory state");
+            if let Err(e) = self.set_memory_state(state) {
+                failure = Some(WorkError::inference(format!("moving the text encoders and VAE: {e:#}")));
+            }
+        }
+        let memory_state = self.memory_state();
+        let freed = if before == MemoryState::Resident && memory_state == MemoryState::Offloaded { self.offloadable_bytes() } else { 0 };
         // Tiles where a whole decode would not fit the memory free (diffusers' tiling, as a
         // user of diffusers turns it on for large images); whole decodes otherwise.
         let forced_tiles = self.tile_vae;
         let whole_bytes = super::vae::whole_decode_bytes(&self.vae_config, shape.width * shape.height);
-        self.tile_vae = forced_tiles || batch.free_bytes().is_some_and(|free| free < whole_bytes);
+        self.tile_vae = forced_tiles || batch.free_bytes().is_some_and(|free| free.saturating_add(freed) < whole_bytes);
         let tiled_decode = self.tile_vae;
         if tiled_decode && !forced_tiles {
             tracing::info!(whole_bytes, "decoding in tiles: a whole decode would not fit the memory free");
@@ -240,14 +263,13 @@ impl FamilyModel for StableDiffusion {
         // Images per chunk: all of them until a chunk runs out of memory.
         let mut chunk = samples.len();
         let mut start = 0;
-        let mut failure: Option<WorkError> = None;
-        while start < samples.len() {
+        while failure.is_none() && start < samples.len() {
             let end = (start + chunk).min(samples.len());
             let part: Vec<Sample> = samples[start..end].iter().map(|(_, s)| s.clone()).collect();
             // Each request once, however many of its images the chunk holds.
             let mut owners: Vec<usize> = samples[start..end].iter().map(|(o, _)| *o).collect();
             owners.dedup();
-            let fits = batch.reserve(part.len() * rows_per_image);
+            let fits = batch.reserve_freed(part.len() * rows_per_image, freed);
             let (chunks_left, offset) = (samples.len().div_ceil(chunk), start / chunk.max(1));
             let result = fits.and_then(|()| {
                 self.generate(shape, &part, &mut |done, total| {
@@ -305,6 +327,7 @@ impl FamilyModel for StableDiffusion {
                     steps: r.shape.steps,
                     guidance: r.guidance,
                     tiled_decode,
+                    memory_state,
                     encode_ms: timings.encode_ms,
                     denoise_ms: timings.denoise_ms,
                     decode_ms: timings.decode_ms,

@@ -7,6 +7,7 @@ mod clip;
 mod config;
 pub mod family;
 mod layers;
+pub mod offload;
 pub mod pipeline;
 pub mod scheduler;
 mod unet;
@@ -14,6 +15,7 @@ mod vae;
 
 use serde::{Deserialize, Serialize};
 
+pub use offload::{MemoryPolicy, MemoryState};
 pub use pipeline::{BatchShape, Noise, Sample, StableDiffusion};
 pub use scheduler::SchedulerKind;
 
@@ -66,11 +68,13 @@ pub struct ImageOutput {
     pub scheduler: SchedulerKind,
     pub steps: usize,
     pub guidance: f64,
-    /// Milliseconds spent encoding the prompts, denoising and decoding (the whole batch's, shared
-    /// by the requests in it).
     /// Whether the images were decoded in tiles (`TERN_VAE_TILING=always`, or a whole decode
     /// would not have fit the memory free).
     pub tiled_decode: bool,
+    /// Where the text encoders and the VAE decoder waited ([`MemoryState`]).
+    pub memory_state: MemoryState,
+    /// Milliseconds spent encoding the prompts, denoising and decoding (the whole batch's, shared
+    /// by the requests in it).
     pub encode_ms: u64,
     pub denoise_ms: u64,
     pub decode_ms: u64,

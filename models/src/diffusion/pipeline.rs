@@ -11,7 +11,8 @@ use candle_nn::VarBuilder;
 use rand::{Rng, SeedableRng};
 
 use super::clip::{ClipTextModel, ClipTokenizer};
-use super::config::{PipelineConfig, PipelineKind, UNetConfig, VaeConfig};
+use super::config::{ClipConfig, PipelineConfig, PipelineKind, UNetConfig, VaeConfig};
+use super::offload::{tensor_bytes, MemoryPolicy, MemoryState, Placed};
 use super::scheduler::{self, SchedulerConfig, SchedulerKind};
 use super::unet::{AddedCondition, UNet};
 use super::vae;
@@ -98,21 +99,24 @@ pub struct StableDiffusion {
     pub(crate) kind: PipelineKind,
     force_zeros_for_empty_prompt: bool,
     tokenizers: Vec<ClipTokenizer>,
-    encoders: Vec<ClipTextModel>,
+    encoders: Vec<Placed<ClipTextModel>>,
     unet: UNet,
     pub(crate) unet_config: UNetConfig,
-    vae: vae::Decoder,
+    vae: Placed<vae::Decoder>,
     pub(crate) vae_config: VaeConfig,
     pub(crate) scheduler_config: SchedulerConfig,
     pub(crate) device: Device,
     dtype: DType,
     /// Decode in tiles whatever the size (else only where a whole decode would not fit).
     pub tile_vae: bool,
-    resident_bytes: u64,
+    /// How batches choose where the text encoders and the VAE wait (`TERN_IMAGE_MEMORY` in a
+    /// worker); [`MemoryPolicy::Auto`] by default.
+    pub memory_policy: MemoryPolicy,
+    unet_bytes: u64,
 }
 
 impl StableDiffusion {
-    /// Loads a diffusers folder onto `device`, computing in `dtype`.
+    /// Loads a diffusers folder onto `device`, computing in `dtype`, every component resident.
     pub fn load(dir: &Path, device: &Device, dtype: DType) -> Result<StableDiffusion> {
         let pipeline = PipelineConfig::read(dir)?;
         let unet_config = UNetConfig::read(&dir.join("unet/config.json"))?;
@@ -124,20 +128,22 @@ impl StableDiffusion {
         };
         let mut tokenizers = Vec::new();
         let mut encoders = Vec::new();
-        let mut resident_bytes = 0;
         for side in sides {
             tokenizers.push(ClipTokenizer::load(&dir.join(format!("tokenizer{side}")))?);
             let folder = dir.join(format!("text_encoder{side}"));
-            resident_bytes += component_bytes(&folder, "model", dtype)?;
-            encoders.push(ClipTextModel::load_folder(&folder, dtype, device)?.0);
+            let config = ClipConfig::read(&folder.join("config.json"))?;
+            let build = Box::new(move |vb: VarBuilder| ClipTextModel::load(vb, &config));
+            let encoder = Placed::load(weight_files(&folder, "model")?, &[], build, dtype, device).with_context(|| format!("loading {}", folder.display()))?;
+            encoders.push(encoder);
         }
         let unet_dir = dir.join("unet");
-        resident_bytes += component_bytes(&unet_dir, "diffusion_pytorch_model", dtype)?;
+        let unet_bytes = component_bytes(&unet_dir, "diffusion_pytorch_model", &[], dtype)?;
         let unet = UNet::load(weights(&unet_dir, "diffusion_pytorch_model", dtype, device)?, &unet_config)
             .with_context(|| format!("loading {}", unet_dir.display()))?;
         let vae_dir = dir.join("vae");
-        resident_bytes += component_bytes(&vae_dir, "diffusion_pytorch_model", dtype)?;
-        let vae = vae::Decoder::load(weights(&vae_dir, "diffusion_pytorch_model", dtype, device)?, &vae_config)
+        let decoder_config = vae_config.clone();
+        let build = Box::new(move |vb: VarBuilder| vae::Decoder::load(vb, &decoder_config));
+        let vae = Placed::load(weight_files(&vae_dir, "diffusion_pytorch_model")?, vae::DECODER_PREFIXES, build, dtype, device)
             .with_context(|| format!("loading {}", vae_dir.display()))?;
         Ok(StableDiffusion {
             kind: pipeline.kind,
@@ -152,13 +158,34 @@ impl StableDiffusion {
             device: device.clone(),
             dtype,
             tile_vae: false,
-            resident_bytes,
+            memory_policy: MemoryPolicy::Auto,
+            unet_bytes,
         })
     }
 
-    /// Bytes of weights resident.
+    /// Where the text encoders and the VAE decoder wait between their steps.
+    pub fn memory_state(&self) -> MemoryState {
+        self.vae.state()
+    }
+
+    /// Moves the text encoders and the VAE decoder to host memory, or back to the device.
+    pub fn set_memory_state(&mut self, state: MemoryState) -> Result<()> {
+        for encoder in &mut self.encoders {
+            encoder.place(state, &self.device)?;
+        }
+        self.vae.place(state, &self.device)
+    }
+
+    /// Bytes of the components that can wait in host memory (the text encoders, the VAE
+    /// decoder).
+    pub fn offloadable_bytes(&self) -> u64 {
+        self.encoders.iter().map(|e| e.bytes).sum::<u64>() + self.vae.bytes
+    }
+
+    /// Bytes of every component's weights (the VAE's decoder only), on the device or in host
+    /// memory.
     pub fn resident_bytes(&self) -> u64 {
-        self.resident_bytes
+        self.unet_bytes + self.offloadable_bytes()
     }
 
     /// The default image size (pixels): the UNet's sample size x 8.
@@ -292,11 +319,9 @@ impl StableDiffusion {
         let mut pooled = None;
         for (tokenizer, encoder) in self.tokenizers.iter().zip(&self.encoders) {
             let ids = texts.iter().map(|t| tokenizer.encode(t)).collect::<Result<Vec<_>>>()?;
-            let layer = match self.kind {
-                PipelineKind::Sd => None,
-                PipelineKind::Sdxl => Some(encoder.layer_count() - 1),
-            };
-            let out = encoder.forward(&ids, tokenizer.eos(), layer, &self.device)?;
+            // SDXL reads each encoder's penultimate layer.
+            let penultimate = self.kind == PipelineKind::Sdxl;
+            let out = encoder.with(&self.device, |e| e.forward(&ids, tokenizer.eos(), penultimate.then(|| e.layer_count() - 1), &self.device))?;
             states.push(out.hidden);
             pooled = out.pooled;
         }
@@ -306,7 +331,7 @@ impl StableDiffusion {
     /// Latents to RGB8 images, as diffusers' image processor rounds them.
     pub fn decode(&self, latents: &Tensor) -> Result<Vec<Vec<u8>>> {
         let scaled = (latents / self.vae_config.scaling_factor)?.to_dtype(self.dtype)?;
-        let images = vae::decode(&self.vae, &self.vae_config, &scaled, self.tile_vae)?.to_dtype(DType::F32)?;
+        let images = self.vae.with(&self.device, |v| vae::decode(v, &self.vae_config, &scaled, self.tile_vae))?.to_dtype(DType::F32)?;
         let images = ((images / 2.0)? + 0.5)?.clamp(0f32, 1f32)?;
         let images = (images * 255.0)?.round()?.to_dtype(DType::U8)?.permute((0, 2, 3, 1))?;
         let b = images.dim(0)?;
@@ -314,19 +339,9 @@ impl StableDiffusion {
     }
 }
 
-/// Bytes a component's weights take in `dtype`.
-pub(crate) fn component_bytes(dir: &Path, stem: &str, dtype: DType) -> Result<u64> {
-    let mut bytes = 0u64;
-    for file in weight_files(dir, stem)? {
-        let stored = std::fs::metadata(&file)?.len();
-        // fp16 files double in F32.
-        let fp16 = file.to_string_lossy().contains("fp16");
-        bytes += match (fp16, dtype) {
-            (true, DType::F32) => stored * 2,
-            _ => stored,
-        };
-    }
-    Ok(bytes)
+/// Bytes a component's weights under `prefixes` (all where none) take in `dtype`.
+pub(crate) fn component_bytes(dir: &Path, stem: &str, prefixes: &[&str], dtype: DType) -> Result<u64> {
+    tensor_bytes(&weight_files(dir, stem)?, prefixes, dtype)
 }
 
 /// Standard normal noise from `rng` (Box-Muller), F32.

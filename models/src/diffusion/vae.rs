@@ -87,6 +87,9 @@ struct UpBlock {
     upsampler: Option<Conv2d>,
 }
 
+/// The tensors of an `AutoencoderKL` file the decoder reads.
+pub(crate) const DECODER_PREFIXES: &[&str] = &["decoder.", "post_quant_conv."];
+
 /// The VAE's decoder, latents to images in [-1, 1], with the `post_quant_conv` before it.
 pub struct Decoder {
     post_quant_conv: Option<Conv2d>,

@@ -145,13 +145,23 @@ pub struct OutOfMemory {
 
 /// Checks a batch of `units` at `bytes_per_unit` against what `probe` reports free, as the
 /// device's allocator would refuse it; passes every batch where the probe leaves that to the
-/// allocator.
-pub fn reserve(probe: &MemoryProbe, units: usize, bytes_per_unit: u64) -> Result<(), OutOfMemory> {
-    if let MemoryProbe::Device { precheck: false, .. } = probe {
-        return Ok(());
-    }
+/// allocator. `freed`: bytes the caller released since it last read the probe; a device probe
+/// sees them itself once the device has finished with them, a test's figures do not.
+pub fn reserve(probe: &MemoryProbe, units: usize, bytes_per_unit: u64, freed: u64) -> Result<(), OutOfMemory> {
+    let extra = match probe {
+        MemoryProbe::Device { precheck: false, .. } => return Ok(()),
+        MemoryProbe::Device { device, .. } => {
+            if freed > 0 {
+                let _ = device.synchronize();
+            }
+            0
+        }
+        MemoryProbe::Host => 0,
+        #[cfg(test)]
+        MemoryProbe::Fixed(_) => freed,
+    };
     let needed = units as u64 * bytes_per_unit;
-    match probe.free_bytes() {
+    match probe.free_bytes().map(|free| free.saturating_add(extra)) {
         Some(free) if needed > free => Err(OutOfMemory { needed, free }),
         _ => Ok(()),
     }
@@ -188,12 +198,13 @@ mod tests {
     #[test]
     fn a_fixed_probe_refuses_what_does_not_fit() {
         let (probe, figures) = MemoryProbe::fixed(1000, 100);
-        assert!(reserve(&probe, 10, 100).is_ok());
-        assert!(reserve(&probe, 11, 100).is_err());
+        assert!(reserve(&probe, 10, 100, 0).is_ok());
+        assert!(reserve(&probe, 11, 100, 0).is_err());
+        assert!(reserve(&probe, 11, 100, 100).is_ok(), "what the caller freed counts");
         figures.free_bytes.store(50, Ordering::Relaxed);
-        assert!(reserve(&probe, 1, 100).is_err());
+        assert!(reserve(&probe, 1, 100, 0).is_err());
         assert_eq!(probe.measure(&mut || Ok(4)).unwrap(), 100);
         // The host probe never refuses: the memory budget bounds CPU batches.
-        assert!(reserve(&MemoryProbe::Host, 1 << 20, 1 << 30).is_ok());
+        assert!(reserve(&MemoryProbe::Host, 1 << 20, 1 << 30, 0).is_ok());
     }
 }

@@ -657,7 +657,15 @@ impl BatchRun for ThreadBatch<'_> {
     }
 
     fn reserve(&self, units: usize) -> anyhow::Result<()> {
-        memory::reserve(self.probe, units, self.unit_bytes).map_err(anyhow::Error::new)
+        memory::reserve(self.probe, units, self.unit_bytes, 0).map_err(anyhow::Error::new)
+    }
+
+    fn reserve_freed(&self, units: usize, freed: u64) -> anyhow::Result<()> {
+        memory::reserve(self.probe, units, self.unit_bytes, freed).map_err(anyhow::Error::new)
+    }
+
+    fn unit_bytes(&self) -> u64 {
+        self.unit_bytes
     }
 
     fn free_bytes(&self) -> Option<u64> {
@@ -815,6 +823,47 @@ mod tests {
         assert!(!roomy.tiled_decode, "1 GiB free: whole");
         assert_eq!(tight.images[0].rgb.len(), roomy.images[0].rgb.len());
         assert_ne!(tight.images[0].rgb, roomy.images[0].rgb, "tiles blend at their seams");
+    }
+
+    /// Memory states: with the memory free too small for a batch's UNet rows (a test's figure:
+    /// the CPU's probe cannot tell), the text encoders and the VAE wait in host memory and move
+    /// to the device for their step, their bytes making the room the batch needs; with room
+    /// for both they are resident again. The images are the same in both states.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn image_encoders_and_vae_wait_in_host_memory_when_the_unet_rows_need_their_room() {
+        use tern_models::diffusion::MemoryState;
+        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
+        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-tiny".into() };
+        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
+        // A UNet row takes 512 KiB (the warmup measures what the probe says); sd-tiny's text
+        // encoder and VAE decoder weigh 0.93 MiB in F32, a whole 64x64 decode takes 1.3 MiB.
+        // 64 MiB free hold everything.
+        let (probe, figures) = MemoryProbe::fixed(64 << 20, 512 << 10);
+        let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, probe);
+        let request = ImageRequest { prompt: "a lighthouse at dusk".into(), steps: Some(2), seed: Some(3), n: Some(2), scheduler: Some(tern_models::diffusion::SchedulerKind::Euler), ..Default::default() };
+        let run = |request: ImageRequest| {
+            let (progress, _rx) = tokio_mpsc::unbounded_channel();
+            engine.image(request, progress, Arc::default())
+        };
+        let roomy = run(request.clone()).await.unwrap().value;
+        assert_eq!(roomy.memory_state, MemoryState::Resident);
+        // Two guided images are four rows, 2 MiB: 1.5 MiB free do not hold them, but do with
+        // the encoder's and the VAE's bytes moved out (and a whole decode still fits).
+        figures.free_bytes.store(3 << 19, Ordering::Relaxed);
+        let tight = run(request.clone()).await.unwrap().value;
+        assert_eq!(tight.memory_state, MemoryState::Offloaded, "1.5 MiB free: offloaded");
+        assert!(!tight.tiled_decode && !roomy.tiled_decode);
+        assert_eq!(tight.images.len(), 2);
+        for (a, b) in tight.images.iter().zip(&roomy.images) {
+            assert_eq!(a.rgb, b.rgb, "the same images in either state");
+        }
+        // Still short of the batch and the components together: they stay in host memory.
+        let still = run(request.clone()).await.unwrap().value;
+        assert_eq!(still.memory_state, MemoryState::Offloaded);
+        figures.free_bytes.store(64 << 20, Ordering::Relaxed);
+        let back = run(request).await.unwrap().value;
+        assert_eq!(back.memory_state, MemoryState::Resident, "room again: resident");
+        assert_eq!(back.images[0].rgb, roomy.images[0].rgb);
     }
 
     /// A batch that runs out of memory (here the probe's free memory cannot hold its windows,

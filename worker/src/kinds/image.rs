@@ -106,6 +106,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         "scheduler": generated.scheduler,
         "steps": generated.steps,
         "guidance": generated.guidance,
+        "memory": { "state": generated.memory_state, "tiled_decode": generated.tiled_decode },
         "timings": { "encode_ms": generated.encode_ms, "denoise_ms": generated.denoise_ms, "decode_ms": generated.decode_ms },
     });
     Execution::Output {
