@@ -4,6 +4,8 @@
 //! Services: Postgres, Redis and an S3-compatible server must be up (`scripts/services.sh up`).
 //! Binaries: `TERN_BIN_DIR`, else the cargo target directory this test was built into.
 
+pub mod batch;
+
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use sqlx::PgPool;

@@ -186,6 +186,8 @@ async fn images_are_generated_stored_as_pngs_and_served_through_both_routes() {
     let (job, stored) = cluster.succeeded_output(id).await.unwrap();
     tern_jobs::schemas::validate_output(tern_jobs::JobKind::Image, &stored).unwrap();
     assert_eq!((stored["model"].as_str(), stored["steps"].as_u64(), stored["scheduler"].as_str()), (Some("sd-tiny"), Some(steps), Some("euler")), "{stored}");
+    // A worker on the CPU keeps its encoders and VAE resident and decodes 64x128 whole.
+    assert_eq!(stored["memory"], json!({ "state": "resident", "tiled_decode": false }), "{stored}");
     for timing in ["encode_ms", "denoise_ms", "decode_ms"] {
         assert!(stored["timings"][timing].is_u64(), "{stored}");
     }
@@ -239,4 +241,39 @@ async fn images_are_generated_stored_as_pngs_and_served_through_both_routes() {
         // The same request and seed, the same images.
         assert_eq!(png_bytes, by_url[i], "image {i}");
     }
+}
+
+/// Image lines in a batch (OpenAI's Batch API) become image jobs and are answered by URL;
+/// `b64_json`, which would put each PNG in the output file, is refused by name on its line.
+#[tokio::test]
+async fn a_batch_of_image_lines_is_answered_with_urls_of_its_pngs() {
+    use tern_e2e::batch::{create_batch, line, lines_of, upload, wait_for};
+    let fixture = sd_tiny();
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let models = fixture.parent().unwrap().display().to_string();
+    let _w = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "image"), ("TERN_MODELS_DIR", models.as_str()), ("TERN_IMAGE_MODEL", "sd-tiny")]).unwrap();
+    let url = "/v1/images/generations";
+    let lines = [
+        line("one", url, json!({ "prompt": "a lighthouse at dusk", "size": "64x64", "steps": 2, "seed": 1 })),
+        line("two", url, json!({ "prompt": "a harbour at dawn", "size": "64x128", "n": 2, "steps": 2, "seed": 2, "response_format": "url" })),
+        line("base64", url, json!({ "prompt": "p", "size": "64x64", "steps": 2, "response_format": "b64_json" })),
+    ];
+    let file = upload(&cluster, &lines).await.unwrap();
+    let batch = create_batch(&cluster, &file, url).await.unwrap();
+    let batch = wait_for(&cluster, batch["id"].as_str().unwrap(), "completed", Duration::from_secs(300)).await.unwrap();
+    assert_eq!(batch["request_counts"], json!({ "total": 3, "completed": 2, "failed": 1 }), "{batch}");
+    let answers = lines_of(&cluster, &batch["output_file_id"]).await.unwrap();
+    for (custom_id, n, height) in [("one", 1, 64), ("two", 2, 128)] {
+        let answer = &answers[custom_id];
+        assert_eq!(answer["response"]["status_code"], 200, "{answer}");
+        let data = answer["response"]["body"]["data"].as_array().unwrap();
+        assert_eq!(data.len(), n, "{answer}");
+        for image in data {
+            let png_bytes = reqwest::get(image["url"].as_str().unwrap()).await.unwrap().bytes().await.unwrap();
+            assert_eq!(decoded(&png_bytes), (64, height, png::ColorType::Rgb, png::BitDepth::Eight), "{custom_id}");
+        }
+    }
+    let errors = lines_of(&cluster, &batch["error_file_id"]).await.unwrap();
+    let refused = &errors["base64"]["response"];
+    assert_eq!((refused["status_code"].as_u64(), refused["body"]["error"]["code"].as_str()), (Some(400), Some("unsupported_parameter")), "{refused}");
 }

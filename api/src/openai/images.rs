@@ -60,7 +60,7 @@ pub struct ImageGeneration {
     /// The `image` job's input.
     input: Value,
     /// `response_format` `b64_json`: the PNGs in the answer, rather than their URLs.
-    b64_json: bool,
+    pub b64_json: bool,
 }
 
 impl ImageGeneration {
@@ -138,13 +138,25 @@ fn keys(output: &Value) -> Vec<String> {
     output["images"].as_array().map_or(&[][..], Vec::as_slice).iter().filter_map(|i| i["key"].as_str().map(str::to_string)).collect()
 }
 
-/// OpenAI's answer with each image's presigned URL, from the finished job's output.
-async fn url_answer(state: &AppState, job: &Job, output: &Value) -> Result<Value, OpenAiError> {
-    let mut data = Vec::new();
-    for key in keys(output) {
-        data.push(json!({ "url": state.objects.presign_get(&key).await.map_err(ApiError::from)? }));
+/// Gives each image of an `image` job's output (`images[].key`) its download URL beside its
+/// key (`url`), presigned now: a URL stored with the output would expire.
+pub async fn add_urls(state: &AppState, output: &mut Value) -> Result<(), ApiError> {
+    // `pointer_mut`: indexing would add the fields it looks for, as nulls, to another output.
+    if let Some(images) = output.pointer_mut("/images").and_then(Value::as_array_mut) {
+        for image in images {
+            if let Some(key) = image["key"].as_str() {
+                image["url"] = json!(state.objects.presign_get(key).await?);
+            }
+        }
     }
-    Ok(json!({ "created": job.created_at.timestamp(), "data": data }))
+    Ok(())
+}
+
+/// OpenAI's answer naming each image by URL, from a finished job's output whose URLs
+/// [`add_urls`] added.
+pub fn url_response(job: &Job, output: &Value) -> Value {
+    let data: Vec<Value> = output["images"].as_array().map_or(&[][..], Vec::as_slice).iter().map(|i| json!({ "url": i["url"] })).collect();
+    json!({ "created": job.created_at.timestamp(), "data": data })
 }
 
 /// OpenAI's answer with each image's PNG as base64, streamed from object storage as it is
@@ -203,7 +215,9 @@ pub async fn generations(State(state): State<AppState>, caller: Caller, headers:
         let body = b64_json_answer(&state, &job, &output).await?;
         return Ok(([job_header, (header::CONTENT_TYPE, "application/json".parse().expect("a content type"))], body).into_response());
     }
-    Ok(([job_header], Json(url_answer(&state, &job, &output).await?)).into_response())
+    let mut output = output;
+    add_urls(&state, &mut output).await?;
+    Ok(([job_header], Json(url_response(&job, &output))).into_response())
 }
 
 #[cfg(test)]

@@ -64,16 +64,9 @@ pub async fn job_view(state: &AppState, job: &Job, with_position: bool) -> Resul
                 v["output"]["formats"][format]["url"] = json!(state.objects.presign_get(key).await?);
             }
         }
-        // An image job's output names its PNGs by key: each gets its download URL beside it,
-        // presigned now (a URL stored with the output would expire). `pointer_mut`: indexing
-        // would add the fields it looks for, as nulls, to every other output.
-        let images = v.pointer_mut("/output/inline/images").and_then(Value::as_array_mut).filter(|_| job.kind == JobKind::Image);
-        if let Some(images) = images {
-            for image in images {
-                if let Some(key) = image["key"].as_str() {
-                    image["url"] = json!(state.objects.presign_get(key).await?);
-                }
-            }
+        // An image job's output names its PNGs by key: each gets its download URL beside it.
+        if let Some(inline) = v.pointer_mut("/output/inline").filter(|_| job.kind == JobKind::Image) {
+            crate::openai::images::add_urls(state, inline).await?;
         }
     }
     Ok(v)

@@ -1,7 +1,7 @@
 //! OpenAI's Batch API over jobs: `POST /v1/batches` takes a JSONL file uploaded with
 //! `POST /v1/files` (`purpose=batch`), and every line of it becomes a job of the line's route
 //! (`/v1/audio/transcriptions`, `/v1/audio/translations`, `/v1/embeddings`,
-//! `/v1/chat/completions`, `/v1/completions`) through the same queue, checks and tenant as any
+//! `/v1/chat/completions`, `/v1/completions`, `/v1/images/generations`) through the same queue, checks and tenant as any
 //! other, at `low` priority unless `X-Tern-Priority` says otherwise. A line's `custom_id`,
 //! scoped to its batch, is its job's idempotency key, so a batch submitted twice over (a
 //! replica restarting mid-file) makes each job once. The answers go to an output file and

@@ -564,6 +564,13 @@ impl Runner {
                             Some(job) if job.state == JobState::Succeeded => Some(job_output(&state, job).await),
                             _ => None,
                         };
+                        // Images are answered by URL, presigned as the file is written.
+                        let output = match output {
+                            Some(Ok(mut value)) if line.as_ref().is_some_and(|l| l.route.names_images()) => {
+                                Some(crate::openai::images::add_urls(&state, &mut value).await.map(|()| value).map_err(OpenAiError::from))
+                            }
+                            other => other,
+                        };
                         let answer = answer(&batch, index, line.as_ref(), row.as_ref(), job.as_ref(), output, unrun);
                         let mut record = answer.record;
                         record["custom_id"] = json!(line.map(|l| l.custom_id));
