@@ -5,8 +5,10 @@
 //! implements [`Family`] (how a model folder loads, what it weighs, how its batches are sized)
 //! and [`FamilyModel`] on the loaded model (its warmup, whose working memory the worker measures
 //! to size batches, its health check, and running a batch of its requests through [`BatchRun`],
-//! what the worker's model thread offers a batch). The worker lists the families it serves and
-//! maps job kinds to them (`worker/src/engine/cache.rs`, `Family`).
+//! what the worker's model thread offers a batch). [`FAMILIES`] registers it: the worker
+//! serves every family listed there, routes the job kinds each names ([`Family::kinds`]) to it,
+//! and takes its settings (the model to serve, the batch budget) from the flags and
+//! environment variables it declares.
 
 use std::any::Any;
 use std::path::Path;
@@ -29,12 +31,35 @@ pub struct LoadSettings {
     pub warmup_beams: usize,
 }
 
+/// Every model family tern serves: one line registers one.
+pub static FAMILIES: [&dyn Family; 4] =
+    [&crate::whisper::family::FAMILY, &crate::embed::family::FAMILY, &crate::generate::family::FAMILY, &crate::diffusion::family::FAMILY];
+
+/// A worker setting a family declares: a command-line flag, its environment variable, its
+/// default (none: unset) and its `--help` text.
+#[derive(Debug, Clone, Copy)]
+pub struct Setting {
+    pub flag: &'static str,
+    pub env: &'static str,
+    pub default: Option<&'static str>,
+    pub help: &'static str,
+}
+
 /// A family of models: how a model folder loads.
 pub trait Family: Send + Sync + 'static {
     /// Lowercase name: metrics labels, logs, the admin API (`whisper`, `embedder`, `llm`).
     fn name(&self) -> &'static str;
+    /// The job kinds its models run (`transcribe`, `audio_embed`), the first the one whose name
+    /// the batch budget's report takes (`transcribe_windows`).
+    fn kinds(&self) -> &'static [&'static str];
     /// The unit a job's cost is counted in, a batch budget too (`windows`, `tokens`).
     fn unit(&self) -> &'static str;
+    /// The worker setting naming the model that serves it: a folder under the models
+    /// directory or a hub id (`--whisper-model`, `TERN_WHISPER_MODEL`).
+    fn model_setting(&self) -> Setting;
+    /// The worker setting fixing its batch budget, in its unit (`TERN_TRANSCRIBE_BATCH_WINDOWS`);
+    /// unset, the budget follows [`Family::budget`].
+    fn budget_setting(&self) -> Setting;
     /// What a hub model `hf:REPO[/FILE]` downloads: (file in the repository, name in the local
     /// folder). An error where the family needs a file named and none is.
     fn hub_files(&self, repo: &str, file: Option<&str>) -> Result<Vec<(String, &'static str)>>;

@@ -3,6 +3,7 @@
 //! many machines: leases and fencing tokens keep each job's outcome single.
 
 mod engine;
+mod family_settings;
 mod file_fetch;
 mod kinds;
 mod lease_keeper;
@@ -15,7 +16,7 @@ mod stop;
 mod wakeup;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use runner::{Runner, RunnerSettings};
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,29 +65,11 @@ struct Cli {
     /// (faster, at a measured cost in results: docs/gpu.md).
     #[arg(long, env = "TERN_PRECISION", default_value = "auto")]
     precision: tern_models::precision::Precision,
-    /// Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory free
-    /// (on a GPU the device's, read from the CUDA driver) and the memory per window measured at
-    /// warmup, at most 16 on the CPU and 1,024 on a GPU; halved when a batch runs out of memory.
-    #[arg(long, env = "TERN_TRANSCRIBE_BATCH_WINDOWS")]
-    transcribe_batch_windows: Option<usize>,
     /// On a GPU, check each batch against the device's free memory before running it, and
     /// split it at once when it would not fit (default true). `false` leaves that to the CUDA
     /// allocator: a batch it refuses is split the same way, after the failed allocation.
     #[arg(long, env = "TERN_MEMORY_PRECHECK", default_value_t = true, action = clap::ArgAction::Set)]
     memory_precheck: bool,
-    /// Most padded tokens in one batch of embedding jobs. Default: calibrated, at most 32,768 on
-    /// the CPU and 1,048,576 on a GPU.
-    #[arg(long, env = "TERN_EMBED_BATCH_TOKENS")]
-    embed_batch_tokens: Option<usize>,
-    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight
-    /// in the running generation batch, which jobs pulled later join between decoding steps.
-    #[arg(long, env = "TERN_GENERATE_BATCH_TOKENS", default_value_t = 4096)]
-    generate_batch_tokens: usize,
-    /// Most UNet rows in one batch of image jobs (an image is one row, two under guidance, times
-    /// its pixels' share of the model's native size). Default: calibrated from the memory free
-    /// and the memory per row measured at warmup, at most 8 on the CPU and 64 on a GPU.
-    #[arg(long, env = "TERN_IMAGE_BATCH_ROWS")]
-    image_batch_rows: Option<usize>,
     /// How much of the silence padding a Whisper window shorter than 30 s the encoder runs:
     /// `full` (the default: as Whisper was trained, and as faster-whisper and OpenAI's
     /// reference compute it), or the audio plus this many seconds (at least 0.5): a 6 s clip
@@ -133,25 +116,6 @@ struct Cli {
     /// Folder of model weights (filled by scripts/models.sh).
     #[arg(long, env = "TERN_MODELS_DIR", default_value = "~/.cache/tern/models")]
     models_dir: String,
-    /// Whisper model for `transcribe` jobs: a CTranslate2 (faster-whisper) folder under the
-    /// models directory, or a hub id such as `hf:Systran/faster-whisper-base` (downloaded once
-    /// into the models directory; HF_ENDPOINT and HF_TOKEN are honoured). The same holds for
-    /// the embedding, language and image models (`hf:OWNER/NAME/FILE.gguf` for a GGUF
-    /// repository).
-    #[arg(long, env = "TERN_WHISPER_MODEL", default_value = "whisper-tiny.en")]
-    whisper_model: String,
-    /// Sentence-embedding model for `embed` jobs: a Hugging Face folder (BERT family) under the
-    /// models directory.
-    #[arg(long, env = "TERN_EMBED_MODEL", default_value = "all-MiniLM-L6-v2")]
-    embed_model: String,
-    /// Language model for `generate` jobs: a folder holding `model.gguf` (llama architecture)
-    /// under the models directory.
-    #[arg(long, env = "TERN_LLM_MODEL", default_value = "smollm2-135m-instruct")]
-    llm_model: String,
-    /// Stable Diffusion pipeline for `image` jobs: a diffusers folder (`model_index.json`,
-    /// `unet/`, `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`) under the models directory.
-    #[arg(long, env = "TERN_IMAGE_MODEL", default_value = "sd-turbo")]
-    image_model: String,
     /// Where `GET /metrics` (Prometheus) listens; `off` for nowhere. A port in use is logged
     /// and skipped, so several workers on one host need their own.
     #[arg(long, env = "TERN_METRICS_ADDR", default_value = "0.0.0.0:9464")]
@@ -251,7 +215,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let matches = family_settings::declare(Cli::command()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let (defaults, configured_budgets) = family_settings::read(&matches);
     tern_jobs::logging::init(&cli.services.log);
     let kinds: Vec<JobKind> = if cli.kinds.is_empty() {
         JobKind::ALL.to_vec()
@@ -269,12 +235,6 @@ async fn run() -> anyhow::Result<()> {
     let objects = ObjectStore::new(&cli.services.s3.settings());
     wait_for("the S3 bucket", || objects.ensure_bucket()).await?;
 
-    let defaults = engine::ModelNames {
-        whisper: cli.whisper_model.clone(),
-        embedder: cli.embed_model.clone(),
-        llm: cli.llm_model.clone(),
-        diffusion: cli.image_model.clone(),
-    };
     // A worker starting after a swap runs the active versions from its first job.
     let active = model_swap::active_at_start(&store, &kinds).await;
     let mut names = defaults.clone();
@@ -334,13 +294,7 @@ async fn run() -> anyhow::Result<()> {
                 cli.precision,
                 names,
                 budget,
-                engine::BatchLimits {
-                    windows: cli.transcribe_batch_windows.map(|n| n.max(1)),
-                    embed_tokens: cli.embed_batch_tokens.map(|n| n.max(1)),
-                    generate_tokens: cli.generate_batch_tokens.max(1),
-                    image_rows: cli.image_batch_rows.map(|n| n.max(1)),
-                    whisper_beams: cli.whisper_beam_size as usize,
-                },
+                engine::BatchLimits { configured: configured_budgets, whisper_beams: cli.whisper_beam_size as usize },
                 engine::memory::MemoryProbe::for_device(&cli.device, cli.memory_precheck),
             ))
         }),

@@ -12,7 +12,7 @@ use candle_core::DType;
 use super::pipeline::{component_bytes, BatchShape, Noise, Sample, StableDiffusion};
 use super::{Canceled, GeneratedImage, ImageOutput, ImageRequest, MemoryPolicy, MemoryState, SchedulerKind};
 use crate::precision::Precision;
-use crate::family::{downcast_all, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
+use crate::family::{downcast_all, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Setting, Work, WorkError};
 
 /// An image request, with its progress callback and its reply.
 pub struct ImageWork {
@@ -58,8 +58,30 @@ impl Family for DiffusionFamily {
         "diffusion"
     }
 
+    fn kinds(&self) -> &'static [&'static str] {
+        &["image"]
+    }
+
     fn unit(&self) -> &'static str {
         "rows"
+    }
+
+    fn model_setting(&self) -> Setting {
+        Setting {
+            flag: "image-model",
+            env: "TERN_IMAGE_MODEL",
+            default: Some("sd-turbo"),
+            help: "Stable Diffusion pipeline for `image` jobs: a diffusers folder (`model_index.json`, `unet/`, `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`) under the models directory, or a hub id (`hf:stabilityai/sd-turbo`)",
+        }
+    }
+
+    fn budget_setting(&self) -> Setting {
+        Setting {
+            flag: "image-batch-rows",
+            env: "TERN_IMAGE_BATCH_ROWS",
+            default: None,
+            help: "Most UNet rows in one batch of image jobs (an image is one row, two under guidance, times its pixels' share of the model's native size). Default: calibrated from the memory free and the memory per row measured at warmup, at most 8 on the CPU and 64 on a GPU",
+        }
     }
 
     /// A diffusers repository (`hf:stabilityai/sd-turbo`); a repository whose name says `xl`

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 
 use super::{Embedder, MAX_TOKENS_PER_TEXT, TOKENS_PER_FORWARD};
-use crate::family::{downcast_all, file_len, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
+use crate::family::{downcast_all, file_len, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Setting, Work, WorkError};
 use crate::precision::Precision;
 
 /// Texts to embed, with the reply: one unit vector per text, in order.
@@ -32,8 +32,30 @@ impl Family for EmbedderFamily {
         "embedder"
     }
 
+    fn kinds(&self) -> &'static [&'static str] {
+        &["embed"]
+    }
+
     fn unit(&self) -> &'static str {
         "tokens"
+    }
+
+    fn model_setting(&self) -> Setting {
+        Setting {
+            flag: "embed-model",
+            env: "TERN_EMBED_MODEL",
+            default: Some("all-MiniLM-L6-v2"),
+            help: "Sentence-embedding model for `embed` jobs: a Hugging Face folder (BERT family) under the models directory, or a hub id (`hf:sentence-transformers/all-MiniLM-L6-v2`)",
+        }
+    }
+
+    fn budget_setting(&self) -> Setting {
+        Setting {
+            flag: "embed-batch-tokens",
+            env: "TERN_EMBED_BATCH_TOKENS",
+            default: None,
+            help: "Most padded tokens in one batch of embedding jobs. Default: calibrated, at most 32,768 on the CPU and 1,048,576 on a GPU",
+        }
     }
 
     fn hub_files(&self, _repo: &str, _file: Option<&str>) -> Result<Vec<(String, &'static str)>> {

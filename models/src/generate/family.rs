@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Result};
 
 use super::{ChatMessage, GenerateError, GenerateOptions, Generation, GenerationRequest, Llm, Prompt};
-use crate::family::{downcast_all, file_len, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
+use crate::family::{downcast_all, file_len, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Setting, Work, WorkError};
 
 /// A generation request, with its reply.
 pub struct GenerateWork {
@@ -37,8 +37,30 @@ impl Family for LlmFamily {
         "llm"
     }
 
+    fn kinds(&self) -> &'static [&'static str] {
+        &["generate"]
+    }
+
     fn unit(&self) -> &'static str {
         "tokens"
+    }
+
+    fn model_setting(&self) -> Setting {
+        Setting {
+            flag: "llm-model",
+            env: "TERN_LLM_MODEL",
+            default: Some("smollm2-135m-instruct"),
+            help: "Language model for `generate` jobs: a folder holding `model.gguf` (llama architecture) under the models directory, or a hub id `hf:OWNER/NAME/FILE.gguf`",
+        }
+    }
+
+    fn budget_setting(&self) -> Setting {
+        Setting {
+            flag: "generate-batch-tokens",
+            env: "TERN_GENERATE_BATCH_TOKENS",
+            default: Some("4096"),
+            help: "Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight in the running generation batch, which jobs pulled later join between decoding steps",
+        }
     }
 
     /// One GGUF file of the repository, named in the hub id (`hf:OWNER/NAME/FILE.gguf`).

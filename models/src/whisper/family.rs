@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{ensure, Context, Result};
 
 use super::{Pcm, TranscribeInput, TranscribeOptions, Transcript, Whisper};
-use crate::family::{downcast_all, file_len, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Work, WorkError};
+use crate::family::{downcast_all, file_len, is_out_of_memory, BatchRun, BudgetRule, Family, FamilyModel, LoadSettings, Setting, Work, WorkError};
 
 /// A recording to transcribe, with its reply.
 pub struct TranscribeWork {
@@ -42,8 +42,30 @@ impl Family for WhisperFamily {
         "whisper"
     }
 
+    fn kinds(&self) -> &'static [&'static str] {
+        &["transcribe", "audio_embed"]
+    }
+
     fn unit(&self) -> &'static str {
         "windows"
+    }
+
+    fn model_setting(&self) -> Setting {
+        Setting {
+            flag: "whisper-model",
+            env: "TERN_WHISPER_MODEL",
+            default: Some("whisper-tiny.en"),
+            help: "Whisper model for `transcribe` and `audio_embed` jobs: a CTranslate2 (faster-whisper) folder under the models directory, or a hub id such as `hf:Systran/faster-whisper-base` (downloaded once into the models directory; HF_ENDPOINT and HF_TOKEN are honoured)",
+        }
+    }
+
+    fn budget_setting(&self) -> Setting {
+        Setting {
+            flag: "transcribe-batch-windows",
+            env: "TERN_TRANSCRIBE_BATCH_WINDOWS",
+            default: None,
+            help: "Most Whisper windows (30 s each) in one batch. Default: calibrated from the memory free (on a GPU the device's, read from the CUDA driver) and the memory per window measured at warmup, at most 16 on the CPU and 1,024 on a GPU; halved when a batch runs out of memory",
+        }
     }
 
     fn hub_files(&self, _repo: &str, _file: Option<&str>) -> Result<Vec<(String, &'static str)>> {

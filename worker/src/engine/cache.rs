@@ -12,44 +12,60 @@ use std::time::Instant;
 use tern_models::family::{FamilyModel, LoadSettings};
 use tern_models::precision::Precision;
 
-/// The model families a worker runs; a batch never mixes families (or models).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Family {
-    /// Whisper, CTranslate2 folder (`model.bin`, `config.json`, `tokenizer.json`).
-    Whisper,
-    /// BERT-family sentence encoder, Hugging Face folder (`model.safetensors`, ...).
-    Embedder,
-    /// Llama-architecture GGUF (`model.gguf`).
-    Llm,
-    /// Stable Diffusion pipeline, diffusers folder (`model_index.json`, `unet/`, `vae/`, ...).
-    Diffusion,
-}
+/// A model family the worker runs ([`tern_models::family::FAMILIES`]); a batch never mixes
+/// families (or models). Compared, hashed, logged and serialised by its name.
+#[derive(Clone, Copy)]
+pub struct Family(&'static dyn tern_models::family::Family);
 
 impl Family {
-    /// Every family, in the order the admin API lists them.
-    pub const ALL: [Family; 4] = [Family::Whisper, Family::Embedder, Family::Llm, Family::Diffusion];
+    /// Every registered family, in the order the admin API lists them.
+    pub fn all() -> impl Iterator<Item = Family> {
+        tern_models::family::FAMILIES.iter().map(|f| Family(*f))
+    }
 
     /// The family a job kind runs; `None` for kinds without a model (echo).
     pub fn of_kind(kind: tern_jobs::JobKind) -> Option<Family> {
-        use tern_jobs::JobKind;
-        match kind {
-            JobKind::Echo => None,
-            JobKind::Transcribe | JobKind::AudioEmbed => Some(Family::Whisper),
-            JobKind::Embed => Some(Family::Embedder),
-            JobKind::Generate => Some(Family::Llm),
-            JobKind::Image => Some(Family::Diffusion),
-        }
+        Family::all().find(|f| f.0.kinds().contains(&kind.as_str()))
+    }
+
+    /// The registered family called `name` (`whisper`, `diffusion`).
+    pub fn named(name: &str) -> Option<Family> {
+        Family::all().find(|f| f.name() == name)
+    }
+
+    pub fn name(self) -> &'static str {
+        self.0.name()
     }
 
     /// The family's plug-in: how its models load, warm up and check their health.
     pub fn plugin(self) -> &'static dyn tern_models::family::Family {
-        match self {
-            Family::Whisper => &tern_models::whisper::family::FAMILY,
-            Family::Embedder => &tern_models::embed::family::FAMILY,
-            Family::Llm => &tern_models::generate::family::FAMILY,
-            Family::Diffusion => &tern_models::diffusion::family::FAMILY,
-        }
+        self.0
+    }
+}
+
+impl PartialEq for Family {
+    fn eq(&self, other: &Family) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl Eq for Family {}
+
+impl std::hash::Hash for Family {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name().hash(state)
+    }
+}
+
+impl std::fmt::Debug for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Serialize for Family {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
     }
 }
 

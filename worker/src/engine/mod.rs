@@ -17,44 +17,37 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
-use tern_models::diffusion::family::ImageWork;
-use tern_models::diffusion::{ImageOutput, ImageRequest};
-use tern_models::embed::family::EmbedWork;
 use tern_models::family::{BatchRun, Work, WorkError};
-use tern_models::generate::family::GenerateWork;
-use tern_models::generate::{GenerateOptions, Generation, Prompt};
-use tern_models::whisper::family::TranscribeWork;
-use tern_models::whisper::{TranscribeOptions, Transcript};
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
-/// Which model folder (under the models directory) serves each family.
+/// Which model (a folder under the models directory, or a hub id) serves each family.
 #[derive(Debug, Clone)]
-pub struct ModelNames {
-    pub whisper: String,
-    pub embedder: String,
-    pub llm: String,
-    pub diffusion: String,
-}
+pub struct ModelNames(HashMap<Family, String>);
 
 impl ModelNames {
+    /// Each family's default model (the default of its model setting).
+    pub fn defaults() -> ModelNames {
+        ModelNames(Family::all().map(|f| (f, f.plugin().model_setting().default.unwrap_or_default().to_string())).collect())
+    }
+
+    /// With the family called `family` served by `name`.
+    ///
+    /// # Panics
+    /// Where no family is called `family` (a setting the worker itself names).
+    #[cfg(test)]
+    pub fn with(mut self, family: &str, name: &str) -> ModelNames {
+        let family = Family::named(family).unwrap_or_else(|| panic!("no model family is called {family:?}"));
+        self.0.insert(family, name.to_string());
+        self
+    }
+
     pub fn of(&self, family: Family) -> &str {
-        match family {
-            Family::Whisper => &self.whisper,
-            Family::Embedder => &self.embedder,
-            Family::Llm => &self.llm,
-            Family::Diffusion => &self.diffusion,
-        }
+        self.0.get(&family).map_or("", String::as_str)
     }
 
     /// Sets `family`'s model; returns the one it replaced.
     pub fn replace(&mut self, family: Family, name: String) -> String {
-        let slot = match family {
-            Family::Whisper => &mut self.whisper,
-            Family::Embedder => &mut self.embedder,
-            Family::Llm => &mut self.llm,
-            Family::Diffusion => &mut self.diffusion,
-        };
-        std::mem::replace(slot, name)
+        self.0.insert(family, name).unwrap_or_default()
     }
 }
 
@@ -73,24 +66,11 @@ pub struct Served<T> {
 /// Limits of the batches the engine runs.
 #[derive(Debug, Clone)]
 pub struct BatchLimits {
-    /// Most Whisper windows encoded and decoded together. `None`: calibrated after each batch
-    /// from the memory free (the device's, on a GPU; the budget's) and the memory per window
-    /// measured at warmup, at most 16 on the CPU (where more rows stop paying) and 1,024 on a
-    /// GPU; halved when a batch runs out of memory.
-    pub windows: Option<usize>,
-    /// Most padded tokens of embedding texts pulled in one batch. `None`: calibrated, at most
-    /// 32,768 on the CPU and 1,048,576 on a GPU (where one forward pass takes the whole batch).
-    pub embed_tokens: Option<usize>,
-    /// Most tokens (prompt + max_tokens) of generation jobs pulled in one batch, and in flight
-    /// in a running generation batch (requests pulled later join it between decoding steps
-    /// while they fit); they decode together, one pass through the weights per step for all of
-    /// them, on the CPU and on a GPU. Default 4096.
-    pub generate_tokens: usize,
-    /// Most UNet rows in one batch of image jobs (an image is one row, two under guidance,
-    /// times its pixels' share of the model's native size). `None`: calibrated from the memory
-    /// free and the memory per row measured at warmup, at most 8 on the CPU and 64 on a GPU;
-    /// halved when a batch runs out of memory.
-    pub image_rows: Option<usize>,
+    /// Each family's batch budget where its setting fixes one ([`tern_models::family::Family::budget_setting`]),
+    /// in its unit; a family absent here follows its [`tern_models::family::BudgetRule`]
+    /// (calibrated from the memory free, within its ceilings, halved when a batch runs out of
+    /// memory).
+    pub configured: HashMap<Family, usize>,
     /// Hypotheses a window decodes at the worker's default beam size
     /// (`TERN_WHISPER_BEAM_SIZE`, default 5): the Whisper warmup decodes that many rows a
     /// window, so the memory measured per window, and the budget from it, holds a beam search.
@@ -98,14 +78,28 @@ pub struct BatchLimits {
 }
 
 impl BatchLimits {
+    /// Each family's budget setting's default (the language model's 4,096 tokens; the others
+    /// calibrated), `whisper_beams` hypotheses a Whisper window.
+    #[cfg(test)]
+    pub fn defaults(whisper_beams: usize) -> BatchLimits {
+        let configured = Family::all().filter_map(|f| Some((f, f.plugin().budget_setting().default?.parse().ok()?))).collect();
+        BatchLimits { configured, whisper_beams }
+    }
+
+    /// With the family called `family` held to `budget` units a batch.
+    ///
+    /// # Panics
+    /// Where no family is called `family`.
+    #[cfg(test)]
+    pub fn with(mut self, family: &str, budget: usize) -> BatchLimits {
+        let family = Family::named(family).unwrap_or_else(|| panic!("no model family is called {family:?}"));
+        self.configured.insert(family, budget.max(1));
+        self
+    }
+
     /// `family`'s configured budget; `None`: calibrated.
     fn configured(&self, family: Family) -> Option<usize> {
-        match family {
-            Family::Whisper => self.windows,
-            Family::Embedder => self.embed_tokens,
-            Family::Llm => Some(self.generate_tokens),
-            Family::Diffusion => self.image_rows,
-        }
+        self.configured.get(&family).copied()
     }
 }
 
@@ -140,7 +134,8 @@ impl EngineError {
     }
 }
 
-type Reply<T> = oneshot::Sender<Result<Served<T>, EngineError>>;
+/// Where a request's answer goes.
+pub type Reply<T> = oneshot::Sender<Result<Served<T>, EngineError>>;
 
 impl EngineError {
     /// A family's error for a request `model` was to serve.
@@ -163,22 +158,10 @@ impl EngineError {
 }
 
 /// A reply closure for a family's request: answers `reply` with the result and the model.
-fn answer_with<T: Send + 'static>(reply: Reply<T>) -> Box<dyn FnOnce(Result<T, WorkError>, &str) + Send> {
+pub fn answer_with<T: Send + 'static>(reply: Reply<T>) -> Box<dyn FnOnce(Result<T, WorkError>, &str) + Send> {
     Box::new(move |result, model| {
         let _ = reply.send(result.map(|value| Served { value, model: model.to_string() }).map_err(|e| EngineError::of_work(e, model)));
     })
-}
-
-/// A transcription's progress as the model thread reports it, once per window done.
-#[derive(Debug, Clone)]
-pub struct TranscribeProgress {
-    /// Windows done.
-    pub done: usize,
-    /// Windows in all.
-    pub total: usize,
-    /// The transcript of the windows done from the first on, with none missing: it grows at
-    /// its end.
-    pub text: String,
 }
 
 enum Request {
@@ -287,11 +270,10 @@ impl Engine {
         let (tx, rx) = mpsc::channel::<Request>();
         let report = Arc::new(Mutex::new(CacheReport::default()));
         let names = Arc::new(Mutex::new(names));
-        let warmup_windows = limits.windows.unwrap_or(WARMUP_WINDOWS).min(WARMUP_WINDOWS);
+        let warmup_windows = Family::named("whisper").and_then(|f| limits.configured(f)).unwrap_or(WARMUP_WINDOWS).min(WARMUP_WINDOWS);
         let stats = Arc::new(EngineStats::default());
-        let budgets: HashMap<Family, Budget> = Family::ALL
-            .iter()
-            .map(|&family| {
+        let budgets: HashMap<Family, Budget> = Family::all()
+            .map(|family| {
                 let rule = family.plugin().budget();
                 let configured = limits.configured(family);
                 let ceiling = rule.calibrated.then_some(if probe.is_device() { rule.device_ceiling } else { rule.cpu_ceiling });
@@ -342,12 +324,11 @@ impl Engine {
         BatchingReport {
             probe: self.probe.name(),
             free_bytes: self.probe.free_bytes(),
-            budgets: serde_json::json!({
-                "transcribe_windows": self.batch_budget(Family::Whisper),
-                "embed_tokens": self.batch_budget(Family::Embedder),
-                "generate_tokens": self.batch_budget(Family::Llm),
-                "image_rows": self.batch_budget(Family::Diffusion),
-            }),
+            // `transcribe_windows`, `embed_tokens`, `generate_tokens`, `image_rows`.
+            budgets: Family::all()
+                .map(|f| (format!("{}_{}", f.plugin().kinds()[0], f.plugin().unit()), serde_json::json!(self.batch_budget(f))))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
             oom_splits: self.stats.oom_splits.load(Ordering::Relaxed),
             busy_seconds: self.stats.busy_ns.load(Ordering::Relaxed) as f64 / 1e9,
         }
@@ -393,99 +374,45 @@ impl Engine {
         self.requests.send(r).map_err(|_| EngineError::Inference("the model thread stopped".into()))
     }
 
-    /// Sends `work` (a request of `family`'s type) and waits for its answer.
-    async fn run<T>(&self, family: Family, work: Work, answer: oneshot::Receiver<Result<Served<T>, EngineError>>) -> Result<Served<T>, EngineError> {
+    /// Sends `work` (a request of the type of the family that runs `kind`, with its reply) and
+    /// waits for `answer`. The kinds' files build their family's requests
+    /// (`kinds::transcribe::transcribe`, `kinds::image::generate_images`).
+    pub async fn run<T>(&self, kind: tern_jobs::JobKind, work: Work, answer: oneshot::Receiver<Result<Served<T>, EngineError>>) -> Result<Served<T>, EngineError> {
+        let family = Family::of_kind(kind).ok_or_else(|| EngineError::Rejected { code: "model_unavailable", message: format!("no model family runs {kind} jobs") })?;
         self.send(Request::Work { family, work })?;
         answer.await.map_err(|_| EngineError::Inference("the model thread stopped".into()))?
     }
+}
 
-    /// Transcribes 16 kHz mono PCM; progress (windows done, total, the text of the leading
-    /// windows done) arrives on `progress`;
-    /// raising `stop` skips the windows not yet started (the reply is then an error).
-    pub async fn transcribe(
-        &self,
-        pcm: Vec<f32>,
-        options: TranscribeOptions,
-        progress: tokio_mpsc::UnboundedSender<TranscribeProgress>,
-        stop: Arc<AtomicBool>,
-    ) -> Result<Served<Transcript>, EngineError> {
-        let (reply, answer) = oneshot::channel();
-        let work = TranscribeWork {
-            pcm: Arc::new(pcm),
-            options,
-            progress: Box::new(move |done, total, text| drop(progress.send(TranscribeProgress { done, total, text: text.to_string() }))),
-            stop,
-            reply: answer_with(reply),
-        };
-        self.run(Family::Whisper, Box::new(work), answer).await
+/// A request's progress channel, kept open until its reply: the job's progress loop ends only
+/// when the sender is gone, while a family's step callback lives until the batch ends.
+pub struct ProgressUntilReply<P>(Arc<Mutex<Option<tokio_mpsc::UnboundedSender<P>>>>);
+
+impl<P: Send + 'static> ProgressUntilReply<P> {
+    pub fn new(sender: tokio_mpsc::UnboundedSender<P>) -> ProgressUntilReply<P> {
+        ProgressUntilReply(Arc::new(Mutex::new(Some(sender))))
     }
 
-    /// Embeds texts: one unit vector per text, in order.
-    pub async fn embed(&self, texts: Vec<String>) -> Result<Served<Vec<Vec<f32>>>, EngineError> {
-        let (reply, answer) = oneshot::channel();
-        self.run(Family::Embedder, Box::new(EmbedWork { texts, reply: answer_with(reply) }), answer).await
+    /// Sends `progress` unless the reply has gone.
+    pub fn send(&self, progress: P) {
+        if let Some(p) = self.0.lock().expect("not poisoned").as_ref() {
+            let _ = p.send(progress);
+        }
     }
 
-    /// Generates text; (text so far, tokens so far) arrives on `progress`; raising `stop` ends
-    /// it early (the reply then holds what was generated).
-    pub async fn generate(
-        &self,
-        prompt: Prompt,
-        options: GenerateOptions,
-        progress: tokio_mpsc::UnboundedSender<(String, usize)>,
-        stop: Arc<AtomicBool>,
-    ) -> Result<Served<Generation>, EngineError> {
-        let (reply, answer) = oneshot::channel();
-        // The reply drops the progress sender: the job's progress loop ends only when it is
-        // gone, and `on_text` lives until the batch ends.
-        let progress = Arc::new(Mutex::new(Some(progress)));
-        let on_text = {
-            let progress = progress.clone();
-            Box::new(move |text: &str, tokens: usize| {
-                if let Some(p) = progress.lock().expect("not poisoned").as_ref() {
-                    let _ = p.send((text.to_string(), tokens));
-                }
-                !stop.load(Ordering::Relaxed)
-            })
-        };
-        let answer_reply = answer_with(reply);
-        let reply = Box::new(move |result, model: &str| {
-            progress.lock().expect("not poisoned").take();
-            answer_reply(result, model)
-        });
-        self.run(Family::Llm, Box::new(GenerateWork { prompt, options, on_text, reply }), answer).await
+    /// The reply closure for `reply`, which closes the channel first.
+    pub fn reply<T: Send + 'static>(&self, reply: Reply<T>) -> Box<dyn FnOnce(Result<T, WorkError>, &str) + Send> {
+        let (channel, answer) = (self.0.clone(), answer_with(reply));
+        Box::new(move |result, model: &str| {
+            channel.lock().expect("not poisoned").take();
+            answer(result, model)
+        })
     }
+}
 
-    /// Generates `request.n` images (default 1) of one prompt; (steps done, steps in all)
-    /// arrives on `progress` after each denoising step of the batch it runs in; raising `stop`
-    /// ends it at the next step (the reply is then an error, code `canceled`). Unset fields of
-    /// `request` take the pipeline's defaults (the model's native size, 50 steps, guidance 7.5,
-    /// a random seed), which the output states.
-    pub async fn image(
-        &self,
-        request: ImageRequest,
-        progress: tokio_mpsc::UnboundedSender<(usize, usize)>,
-        stop: Arc<AtomicBool>,
-    ) -> Result<Served<ImageOutput>, EngineError> {
-        let (reply, answer) = oneshot::channel();
-        // As for `generate`: the reply drops the progress sender, which ends the job's progress
-        // loop; `on_step` lives until the batch ends.
-        let progress = Arc::new(Mutex::new(Some(progress)));
-        let on_step = {
-            let progress = progress.clone();
-            Box::new(move |done: usize, total: usize| {
-                if let Some(p) = progress.lock().expect("not poisoned").as_ref() {
-                    let _ = p.send((done, total));
-                }
-                !stop.load(Ordering::Relaxed)
-            })
-        };
-        let answer_reply = answer_with(reply);
-        let reply = Box::new(move |result, model: &str| {
-            progress.lock().expect("not poisoned").take();
-            answer_reply(result, model)
-        });
-        self.run(Family::Diffusion, Box::new(ImageWork { request, on_step, reply }), answer).await
+impl<P> Clone for ProgressUntilReply<P> {
+    fn clone(&self) -> Self {
+        ProgressUntilReply(self.0.clone())
     }
 }
 
@@ -686,237 +613,4 @@ impl BatchRun for ThreadBatch<'_> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::health::tests::models_dir;
-    use super::*;
-    use std::sync::atomic::AtomicUsize;
-
-    /// Six clips always in flight (each answered one is sent again) keep a continuous
-    /// transcription batch running for as long as the loop goes on. A model swap must still
-    /// apply once its batch drains, not wait for the load to stop.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_swap_applies_while_a_closed_loop_keeps_a_transcription_batch_running() {
-        let dir = models_dir();
-        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-turbo".into() };
-        let limits = BatchLimits { windows: Some(4), embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
-        let engine = Arc::new(Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, MemoryProbe::Host));
-        let clip = std::fs::read(dir.join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")).expect("test speech: run scripts/models.sh");
-        let pcm = tern_models::audio::decode_mono_16k(&clip).unwrap();
-        let source = engine.source().clone();
-        let whisper = dir.join("whisper-tiny.en");
-        let loaded = tokio::task::spawn_blocking(move || source.load(Family::Whisper, "tiny-v2", &whisper)).await.unwrap().unwrap();
-
-        let (running, served) = (Arc::new(AtomicBool::new(true)), Arc::new(AtomicUsize::new(0)));
-        let models = Arc::new(Mutex::new(Vec::new()));
-        let loops: Vec<_> = (0..6)
-            .map(|_| {
-                let (engine, pcm, running, served, models) = (engine.clone(), pcm.clone(), running.clone(), served.clone(), models.clone());
-                tokio::spawn(async move {
-                    while running.load(Ordering::Relaxed) {
-                        let (progress, _) = tokio_mpsc::unbounded_channel();
-                        let out = engine.transcribe(pcm.clone(), TranscribeOptions::default(), progress, Arc::default()).await;
-                        let text = out.as_ref().map(|o| o.value.text.to_lowercase()).unwrap_or_default();
-                        if !text.contains("young man") {
-                            running.store(false, Ordering::Relaxed);
-                            panic!("{out:?}");
-                        }
-                        models.lock().unwrap().push(out.unwrap().model);
-                        served.fetch_add(1, Ordering::Relaxed);
-                    }
-                })
-            })
-            .collect();
-        // Until `n` clips are answered; a loop that fails ends the wait (its panic shows below).
-        let wait_served = |n: usize| {
-            let (served, loops_alive) = (served.clone(), running.clone());
-            async move {
-                let deadline = Instant::now() + Duration::from_secs(60);
-                while served.load(Ordering::Relaxed) < n && loops_alive.load(Ordering::Relaxed) {
-                    assert!(Instant::now() < deadline, "{n} clips not answered within 60 s");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        };
-        wait_served(12).await;
-        let installed = tokio::time::timeout(Duration::from_secs(30), engine.install(Family::Whisper, "tiny-v2".into(), loaded)).await;
-        let at_install = served.load(Ordering::Relaxed);
-        wait_served(at_install + 6).await;
-        running.store(false, Ordering::Relaxed);
-        for l in loops {
-            l.await.unwrap();
-        }
-        assert_eq!(installed.expect("the swap waited for the load to stop").unwrap(), "whisper-tiny.en");
-        let models = models.lock().unwrap();
-        assert_eq!(models.last().map(String::as_str), Some("tiny-v2"), "clips after the swap run the new model");
-        assert!(models[..12].iter().all(|m| m == "whisper-tiny.en"));
-    }
-
-    /// An image request on the diffusion family's tiny fixture (random weights) reports each
-    /// denoising step, ending at steps/steps; with its stop raised it ends after its first step,
-    /// `canceled`.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_image_request_reports_each_step_and_stops_when_asked() {
-        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
-        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-tiny".into() };
-        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
-        let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, MemoryProbe::Host);
-        let request = ImageRequest {
-            prompt: "a lighthouse at dusk".into(),
-            width: Some(64),
-            height: Some(64),
-            steps: Some(3),
-            seed: Some(5),
-            n: Some(2),
-            scheduler: Some(tern_models::diffusion::SchedulerKind::Euler),
-            ..Default::default()
-        };
-        // A request of several images may hear a step once per image.
-        let steps_seen = |mut rx: tokio_mpsc::UnboundedReceiver<(usize, usize)>| {
-            let mut seen = Vec::new();
-            while let Ok(step) = rx.try_recv() {
-                seen.push(step);
-            }
-            seen.dedup();
-            seen
-        };
-
-        let (progress, rx) = tokio_mpsc::unbounded_channel();
-        let served = engine.image(request.clone(), progress, Arc::default()).await.unwrap();
-        assert_eq!(served.model, "sd-tiny");
-        let out = served.value;
-        assert_eq!(out.steps, 3);
-        assert_eq!(out.images.iter().map(|i| (i.width, i.height, i.seed, i.rgb.len())).collect::<Vec<_>>(), [(64, 64, 5, 64 * 64 * 3), (64, 64, 6, 64 * 64 * 3)]);
-        assert_eq!(steps_seen(rx), [(1, 3), (2, 3), (3, 3)]);
-
-        let (progress, rx) = tokio_mpsc::unbounded_channel();
-        let stopped = engine.image(request, progress, Arc::new(AtomicBool::new(true))).await.unwrap_err();
-        assert_eq!(stopped.code(), "canceled", "{stopped}");
-        assert_eq!(steps_seen(rx), [(1, 3)]);
-    }
-
-    /// With the memory free too small for a whole VAE decode (a test's figure: the CPU's probe
-    /// cannot tell), images decode in tiles, and with room enough whole; both finish.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn images_decode_in_tiles_when_a_whole_decode_would_not_fit() {
-        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
-        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-tiny".into() };
-        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
-        // 1 KiB a UNet row, so the rows always fit; a 128x128 whole decode of sd-tiny's VAE
-        // needs about 5 MiB.
-        let (probe, figures) = MemoryProbe::fixed(1 << 20, 1 << 10);
-        let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, probe);
-        let request = ImageRequest {
-            prompt: "a lighthouse at dusk".into(),
-            width: Some(128),
-            height: Some(128),
-            steps: Some(2),
-            seed: Some(5),
-            scheduler: Some(tern_models::diffusion::SchedulerKind::Euler),
-            ..Default::default()
-        };
-        let (progress, _rx) = tokio_mpsc::unbounded_channel();
-        let tight = engine.image(request.clone(), progress, Arc::default()).await.unwrap().value;
-        assert!(tight.tiled_decode, "1 MiB free: tiles");
-        figures.free_bytes.store(1 << 30, Ordering::Relaxed);
-        let (progress, _rx) = tokio_mpsc::unbounded_channel();
-        let roomy = engine.image(request, progress, Arc::default()).await.unwrap().value;
-        assert!(!roomy.tiled_decode, "1 GiB free: whole");
-        assert_eq!(tight.images[0].rgb.len(), roomy.images[0].rgb.len());
-        assert_ne!(tight.images[0].rgb, roomy.images[0].rgb, "tiles blend at their seams");
-    }
-
-    /// Memory states: with the memory free too small for a batch's UNet rows (a test's figure:
-    /// the CPU's probe cannot tell), the text encoders and the VAE wait in host memory and move
-    /// to the device for their step, their bytes making the room the batch needs; with room
-    /// for both they are resident again. The images are the same in both states.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn image_encoders_and_vae_wait_in_host_memory_when_the_unet_rows_need_their_room() {
-        use tern_models::diffusion::MemoryState;
-        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
-        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-tiny".into() };
-        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
-        // A UNet row takes 512 KiB (the warmup measures what the probe says); sd-tiny's text
-        // encoder and VAE decoder weigh 0.93 MiB in F32, a whole 64x64 decode takes 1.3 MiB.
-        // 64 MiB free hold everything.
-        let (probe, figures) = MemoryProbe::fixed(64 << 20, 512 << 10);
-        let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, probe);
-        let request = ImageRequest { prompt: "a lighthouse at dusk".into(), steps: Some(2), seed: Some(3), n: Some(2), scheduler: Some(tern_models::diffusion::SchedulerKind::Euler), ..Default::default() };
-        let run = |request: ImageRequest| {
-            let (progress, _rx) = tokio_mpsc::unbounded_channel();
-            engine.image(request, progress, Arc::default())
-        };
-        let roomy = run(request.clone()).await.unwrap().value;
-        assert_eq!(roomy.memory_state, MemoryState::Resident);
-        // Two guided images are four rows, 2 MiB: 1.5 MiB free do not hold them, but do with
-        // the encoder's and the VAE's bytes moved out (and a whole decode still fits).
-        figures.free_bytes.store(3 << 19, Ordering::Relaxed);
-        let tight = run(request.clone()).await.unwrap().value;
-        assert_eq!(tight.memory_state, MemoryState::Offloaded, "1.5 MiB free: offloaded");
-        assert!(!tight.tiled_decode && !roomy.tiled_decode);
-        assert_eq!(tight.images.len(), 2);
-        for (a, b) in tight.images.iter().zip(&roomy.images) {
-            assert_eq!(a.rgb, b.rgb, "the same images in either state");
-        }
-        // Still short of the batch and the components together: they stay in host memory.
-        let still = run(request.clone()).await.unwrap().value;
-        assert_eq!(still.memory_state, MemoryState::Offloaded);
-        figures.free_bytes.store(64 << 20, Ordering::Relaxed);
-        let back = run(request).await.unwrap().value;
-        assert_eq!(back.memory_state, MemoryState::Resident, "room again: resident");
-        assert_eq!(back.images[0].rgb, roomy.images[0].rgb);
-    }
-
-    /// A batch that runs out of memory (here the probe's free memory cannot hold its windows,
-    /// as a GPU's allocator would refuse them) is run again at half size until it fits: every
-    /// recording is transcribed as it is alone, none fails, and the budget shrinks to what ran.
-    /// The same for an embedding pass, whose tokens per forward pass halve.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_batch_that_runs_out_of_memory_is_split_and_no_job_fails() {
-        let dir = models_dir();
-        let names = ModelNames { whisper: "whisper-tiny.en".into(), embedder: "all-MiniLM-L6-v2".into(), llm: "smollm2-135m-instruct".into(), diffusion: "sd-turbo".into() };
-        let limits = BatchLimits { windows: None, embed_tokens: None, generate_tokens: 4096, image_rows: None, whisper_beams: 1 };
-        // The warmup measures 100 MiB per window; 4 GiB are free until the test says otherwise.
-        let (probe, figures) = MemoryProbe::fixed(4 << 30, 100 << 20);
-        let engine = Engine::start(dir.clone(), candle_core::Device::Cpu, Default::default(), names.clone(), 8 << 30, limits.clone(), probe);
-        let clips: Vec<Vec<f32>> = ["sense_and_sensibility_01_austen_64kb-0880.wav", "sense_and_sensibility_01_austen_64kb-0870.wav"]
-            .iter()
-            .map(|f| tern_models::audio::decode_mono_16k(&std::fs::read(dir.join("testdata/librivox").join(f)).expect("test speech: run scripts/models.sh")).unwrap())
-            .collect();
-        let transcribe = |pcm: Vec<f32>| {
-            let (progress, _) = tokio_mpsc::unbounded_channel();
-            engine.transcribe(pcm, TranscribeOptions::default(), progress, Arc::default())
-        };
-        let alone: Vec<String> = futures::future::join_all(clips.iter().map(|c| transcribe(c.clone()))).await.into_iter().map(|t| t.unwrap().value.text).collect();
-        // The budget is set once the batch ends, which can be just after its last reply.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while engine.batch_budget(Family::Whisper) != 16 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(engine.batch_budget(Family::Whisper), 16, "4 GiB free hold 40 windows of 100 MiB: the CPU's ceiling");
-
-        // 250 MiB free: 16 windows do not fit, nor 8 or 4; 2 do.
-        figures.free_bytes.store(250 << 20, Ordering::Relaxed);
-        let batch: Vec<Vec<f32>> = (0..6).map(|i| clips[i % 2].clone()).collect();
-        let texts = futures::future::join_all(batch.into_iter().map(transcribe)).await;
-        for (i, t) in texts.into_iter().enumerate() {
-            assert_eq!(t.expect("no recording fails for want of memory").value.text, alone[i % 2]);
-        }
-        assert_eq!(engine.stats.oom_splits.load(Ordering::Relaxed), 3, "16 -> 8 -> 4 -> 2 windows");
-        assert_eq!(engine.batch_budget(Family::Whisper), 2, "later pulls take what fitted");
-        assert_eq!(engine.batching().budgets["transcribe_windows"], 2);
-
-        // Embeddings: 1 MiB per token; 3,000 MiB free hold 2,048 of the CPU's 8,192 tokens per pass.
-        let (probe, figures) = MemoryProbe::fixed(4 << 30, 1 << 20);
-        let engine = Engine::start(dir, candle_core::Device::Cpu, Default::default(), names, 8 << 30, limits, probe);
-        let texts: Vec<String> = (0..300).map(|i| format!("sentence number {i} about the weather in a town by the sea")).collect();
-        let before = engine.embed(texts.clone()).await.unwrap().value;
-        figures.free_bytes.store(3000 << 20, Ordering::Relaxed);
-        let after = engine.embed(texts).await.expect("no embedding fails for want of memory").value;
-        assert_eq!(engine.stats.oom_splits.load(Ordering::Relaxed), 2, "8,192 -> 4,096 -> 2,048 tokens per pass");
-        assert_eq!(engine.batch_budget(Family::Embedder), 2048);
-        for (a, b) in before.iter().zip(&after) {
-            let cosine: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
-            assert!(cosine > 0.9999, "smaller passes give the same vectors: {cosine}");
-        }
-    }
-}
+mod tests;

@@ -5,7 +5,7 @@
 //! with the transcriptions' windows, through the encoder only.
 
 use super::{engine_failure, json_output, Context, Execution};
-use crate::engine::TranscribeProgress;
+use super::transcribe::{transcribe, TranscribeProgress};
 use serde_json::{json, Value};
 use tern_jobs::Job;
 use tern_models::whisper::TranscribeOptions;
@@ -23,7 +23,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     // Windows of an embedding finish without text: nothing to report as they go.
     let (progress, _) = tokio::sync::mpsc::unbounded_channel::<TranscribeProgress>();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let Some(served) = super::until_stopped(ctx.stop, &stop, engine.transcribe(pcm, options, progress, stop.clone())).await else {
+    let Some(served) = super::until_stopped(ctx.stop, &stop, transcribe(engine, pcm, options, progress, stop.clone())).await else {
         return Execution::Stopped;
     };
     let served = match served {

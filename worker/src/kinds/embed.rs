@@ -5,8 +5,16 @@
 //! inlined in the job when under 64 KiB.
 
 use super::{engine_failure, json_output, permanent, Context, Execution};
+use crate::engine::{answer_with, Engine, EngineError, Served};
 use serde_json::json;
-use tern_jobs::Job;
+use tern_jobs::{Job, JobKind};
+use tern_models::embed::family::EmbedWork;
+
+/// Embeds texts on the engine's embedder: one unit vector per text, in order.
+pub async fn embed(engine: &Engine, texts: Vec<String>) -> Result<Served<Vec<Vec<f32>>>, EngineError> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    engine.run(JobKind::Embed, Box::new(EmbedWork { texts, reply: answer_with(reply) }), answer).await
+}
 
 pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let Some(engine) = ctx.engine else {
@@ -19,7 +27,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     if ctx.stop.reason().is_some() {
         return Execution::Stopped;
     }
-    let vectors = match engine.embed(texts).await {
+    let vectors = match embed(engine, texts).await {
         Ok(served) => served,
         Err(e) => return engine_failure(&e),
     };

@@ -9,8 +9,32 @@ use serde_json::{json, Value};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tern_jobs::Job;
-use tern_models::generate::{ChatMessage, GenerateOptions, Prompt};
+use crate::engine::{Engine, EngineError, ProgressUntilReply, Served};
+use std::sync::atomic::Ordering;
+use tern_jobs::{Job, JobKind};
+use tern_models::generate::family::GenerateWork;
+use tern_models::generate::{ChatMessage, GenerateOptions, Generation, Prompt};
+
+/// Generates text on the engine's language model; (text so far, tokens so far) arrives on
+/// `progress`; raising `stop` ends it early (the reply then holds what was generated).
+pub async fn generate(
+    engine: &Engine,
+    prompt: Prompt,
+    options: GenerateOptions,
+    progress: tokio::sync::mpsc::UnboundedSender<(String, usize)>,
+    stop: Arc<AtomicBool>,
+) -> Result<Served<Generation>, EngineError> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let progress = ProgressUntilReply::new(progress);
+    let on_text = {
+        let progress = progress.clone();
+        Box::new(move |text: &str, tokens: usize| {
+            progress.send((text.to_string(), tokens));
+            !stop.load(Ordering::Relaxed)
+        })
+    };
+    engine.run(JobKind::Generate, Box::new(GenerateWork { prompt, options, on_text, reply: progress.reply(reply) }), answer).await
+}
 
 /// Shortest interval between two progress writes to Redis.
 const PROGRESS_EVERY: Duration = Duration::from_millis(200);
@@ -63,7 +87,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             super::progress_event(job, ctx).await;
         }
     };
-    let work = async { tokio::join!(engine.generate(prompt, options(input), progress_tx, stop.clone()), report) };
+    let work = async { tokio::join!(generate(engine, prompt, options(input), progress_tx, stop.clone()), report) };
     let Some((generation, ())) = super::until_stopped(ctx.stop, &stop, work).await else {
         return Execution::Stopped;
     };

@@ -13,8 +13,34 @@ use serde_json::{json, Value};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tern_jobs::{Failure, Job};
-use tern_models::diffusion::{GeneratedImage, ImageRequest};
+use crate::engine::{Engine, EngineError, ProgressUntilReply, Served};
+use std::sync::atomic::Ordering;
+use tern_jobs::{Failure, Job, JobKind};
+use tern_models::diffusion::family::ImageWork;
+use tern_models::diffusion::{GeneratedImage, ImageOutput, ImageRequest};
+
+/// Generates `request.n` images (default 1) of one prompt on the engine's Stable Diffusion
+/// pipeline; (steps done, steps in all) arrives on `progress` after each denoising step of the
+/// batch it runs in; raising `stop` ends it at the next step (the reply is then an error, code
+/// `canceled`). Unset fields of `request` take the pipeline's defaults (the model's native
+/// size, 50 steps, guidance 7.5, a random seed), which the output states.
+pub async fn generate_images(
+    engine: &Engine,
+    request: ImageRequest,
+    progress: tokio::sync::mpsc::UnboundedSender<(usize, usize)>,
+    stop: Arc<AtomicBool>,
+) -> Result<Served<ImageOutput>, EngineError> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let progress = ProgressUntilReply::new(progress);
+    let on_step = {
+        let progress = progress.clone();
+        Box::new(move |done: usize, total: usize| {
+            progress.send((done, total));
+            !stop.load(Ordering::Relaxed)
+        })
+    };
+    engine.run(JobKind::Image, Box::new(ImageWork { request, on_step, reply: progress.reply(reply) }), answer).await
+}
 
 /// Shortest interval between two progress writes to Redis.
 const PROGRESS_EVERY: Duration = Duration::from_millis(200);
@@ -67,7 +93,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
             super::progress_event(job, ctx).await;
         }
     };
-    let work = async { tokio::join!(engine.image(request, progress_tx, stop.clone()), report) };
+    let work = async { tokio::join!(generate_images(engine, request, progress_tx, stop.clone()), report) };
     let Some((generated, ())) = super::until_stopped(ctx.stop, &stop, work).await else {
         return Execution::Stopped;
     };

@@ -5,12 +5,49 @@
 //! SRT and VTT.
 
 use super::{engine_failure, permanent, Context, Execution, ExtraOutput};
-use crate::engine::TranscribeProgress;
+use crate::engine::{answer_with, Engine, EngineError, Served};
 use serde_json::{json, Value};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use tern_jobs::file_ref::FileRef;
-use tern_jobs::{Failure, Job};
+use tern_jobs::{Failure, Job, JobKind};
 use tern_models::audio;
-use tern_models::whisper::{Task, TranscribeOptions};
+use tern_models::whisper::family::TranscribeWork;
+use tern_models::whisper::{Task, TranscribeOptions, Transcript};
+use tokio::sync::{mpsc, oneshot};
+
+/// A transcription's progress as the model thread reports it, once per window done.
+#[derive(Debug, Clone)]
+pub struct TranscribeProgress {
+    /// Windows done.
+    pub done: usize,
+    /// Windows in all.
+    pub total: usize,
+    /// The transcript of the windows done from the first on, with none missing: it grows at
+    /// its end.
+    pub text: String,
+}
+
+/// Transcribes 16 kHz mono PCM on the engine's Whisper; progress (windows done, total, the
+/// text of the leading windows done) arrives on `progress`; raising `stop` skips the windows
+/// not yet started (the reply is then an error).
+pub async fn transcribe(
+    engine: &Engine,
+    pcm: Vec<f32>,
+    options: TranscribeOptions,
+    progress: mpsc::UnboundedSender<TranscribeProgress>,
+    stop: Arc<AtomicBool>,
+) -> Result<Served<Transcript>, EngineError> {
+    let (reply, answer) = oneshot::channel();
+    let work = TranscribeWork {
+        pcm: Arc::new(pcm),
+        options,
+        progress: Box::new(move |done, total, text| drop(progress.send(TranscribeProgress { done, total, text: text.to_string() }))),
+        stop,
+        reply: answer_with(reply),
+    };
+    engine.run(JobKind::Transcribe, Box::new(work), answer).await
+}
 
 pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let input = &job.input;
@@ -53,7 +90,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         }
     };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let work = async { tokio::join!(engine.transcribe(pcm, options, progress_tx, stop.clone()), report) };
+    let work = async { tokio::join!(transcribe(engine, pcm, options, progress_tx, stop.clone()), report) };
     let Some((transcript, ())) = super::until_stopped(ctx.stop, &stop, work).await else {
         return Execution::Stopped;
     };
