@@ -63,6 +63,12 @@ pub trait Family: Send + Sync + 'static {
     /// What a hub model `hf:REPO[/FILE]` downloads: (file in the repository, name in the local
     /// folder). An error where the family needs a file named and none is.
     fn hub_files(&self, repo: &str, file: Option<&str>) -> Result<Vec<(String, &'static str)>>;
+    /// The files of the repository's other layout, downloaded instead where the first file of
+    /// [`Family::hub_files`] is not there (Whisper: Hugging Face's after CTranslate2's). None by
+    /// default.
+    fn hub_other_files(&self, _repo: &str) -> Vec<(String, &'static str)> {
+        Vec::new()
+    }
     /// Bytes the model in `dir` will hold resident, from its files, before loading it.
     fn estimate_bytes(&self, dir: &Path, settings: &LoadSettings) -> Result<u64>;
     /// Loads the model in `dir` onto `settings.device`.

@@ -147,3 +147,44 @@ async fn a_hub_diffusers_repository_is_downloaded_folder_by_folder_and_makes_ima
     let (_, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
     assert_eq!(job["output"]["inline"]["model"], "hf:test-org/sd-tiny", "{job}");
 }
+
+/// A Hugging Face Whisper repository (no `model.bin`: `config.json`, `generation_config.json`,
+/// `tokenizer.json`, `model.safetensors`) downloads those files and transcribes: the tiny random
+/// model of large-v3's shapes that `models/tests/whisper_hf.rs` proves equal to transformers.
+#[tokio::test]
+async fn a_hub_whisper_repository_in_hugging_faces_format_serves_transcriptions() {
+    let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/whisper-hf/large-v3");
+    let hub = tempfile::tempdir().unwrap();
+    let files = hub.path().join("test-org/whisper-large-v3-tiny/resolve/main");
+    std::fs::create_dir_all(&files).unwrap();
+    for f in ["config.json", "generation_config.json", "tokenizer.json", "model.safetensors"] {
+        std::os::unix::fs::symlink(fixture.join(f), files.join(f)).unwrap();
+    }
+    let (_server, port) = FileServer::serve(hub.path()).await;
+    let local = tempfile::tempdir().unwrap();
+    let (endpoint, local_dir) = (format!("http://127.0.0.1:{port}"), local.path().to_str().unwrap().to_string());
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let clip = std::fs::read(tern_e2e::models_dir().join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")).unwrap();
+    let audio = base64::engine::general_purpose::STANDARD.encode(&clip);
+    let ids = cluster.submit_all(&[json!({"kind": "transcribe", "input": {"audio": {"base64": audio}, "language": "en"}})]).await.unwrap();
+    let worker = cluster
+        .spawn_worker(&[
+            ("HF_ENDPOINT", endpoint.as_str()),
+            ("TERN_MODELS_DIR", local_dir.as_str()),
+            ("TERN_WHISPER_MODEL", "hf:test-org/whisper-large-v3-tiny"),
+            ("TERN_WORKER_KINDS", "transcribe"),
+            ("TERN_WHISPER_BEAM_SIZE", "1"),
+        ])
+        .unwrap();
+    let counts = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
+    assert_eq!(counts.get("succeeded"), Some(&1), "{counts:?}\n{}", worker.log_text());
+    let fetched = local.path().join("hf/test-org--whisper-large-v3-tiny--main");
+    for f in ["config.json", "generation_config.json", "tokenizer.json", "model.safetensors"] {
+        assert!(fetched.join(f).is_file(), "{f} downloaded");
+    }
+    assert!(!fetched.join("model.bin").exists());
+    let (_, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
+    let out: serde_json::Value = reqwest::get(job["output"]["url"].as_str().unwrap()).await.unwrap().json().await.unwrap();
+    assert_eq!(out["model"], "hf:test-org/whisper-large-v3-tiny", "{out}");
+    assert_eq!(out["language"], "en", "{out}");
+}

@@ -301,7 +301,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     let (long, long_words, long_seconds) = (&speech.long, &speech.long_words, speech.long_seconds());
 
     let started = Instant::now();
-    let mut whisper = Whisper::load_ct2_in(&dir.join(&args.whisper_model), device, args.precision)?;
+    let mut whisper = Whisper::load_in(&dir.join(&args.whisper_model), device, args.precision)?;
     let largest = args.budgets.iter().copied().max().unwrap_or(1);
     if args.host_picks {
         whisper.set_device_picks(false)?;
@@ -376,7 +376,7 @@ fn audio_embed(args: &Args, dir: &Path, device: &Device) -> Result<()> {
     let speech = Speech::load(args, dir)?;
     let (short, short_seconds) = speech.short(args.clips);
     let (long, long_seconds) = (&speech.long, speech.long_seconds());
-    let mut whisper = Whisper::load_ct2_in(&dir.join(&args.whisper_model), device, args.precision)?;
+    let mut whisper = Whisper::load_in(&dir.join(&args.whisper_model), device, args.precision)?;
     whisper.warmup(args.budgets.iter().copied().max().unwrap_or(1), 1)?;
     let opts = TranscribeOptions { embed: true, padding: args.padding, ..TranscribeOptions::default() };
     println!("{} audio-embed: {} clips ({short_seconds:.1} s of audio), one {long_seconds:.1} s recording, padding {:?}", args.whisper_model, short.len(), args.padding);

@@ -291,6 +291,9 @@ pub(crate) fn to_candle(vars: &HashMap<String, RawVar>) -> Result<Ct2Whisper> {
     let num_mel_bins = conv1.dim(1)?;
     let max_source_positions = t["model.encoder.embed_positions.weight"].dim(0)?;
     let max_target_positions = t["model.decoder.embed_positions.weight"].dim(0)?;
+    // The encoder computes OpenAI's sinusoids for a CTranslate2 model rather than read the
+    // file's, as it always has (transcripts equal to faster-whisper's).
+    t.remove("model.encoder.embed_positions.weight");
     if enc_layers == 0 || dec_layers == 0 {
         bail!("model.bin has no encoder or decoder layers");
     }

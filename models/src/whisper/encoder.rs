@@ -169,6 +169,14 @@ impl Encoder {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        // The stored positions where the weights hold them (a Hugging Face folder, whose
+        // reference, transformers, adds them as stored: sinusoids rounded to the file's dtype);
+        // else OpenAI's sinusoids, computed.
+        let positions = if vb.contains_tensor("embed_positions.weight") {
+            vb.get((cfg.max_source_positions, d), "embed_positions.weight")?
+        } else {
+            sinusoids(cfg.max_source_positions, d, vb.device())?.to_dtype(vb.dtype())?
+        };
         let conv1 = conv1d(cfg.num_mel_bins, d, 1, vb.pp("conv1"))?;
         let conv2 = conv1d(d, d, 2, vb.pp("conv2"))?;
         // `None` where the CPU lacks AVX-512 BF16, as the blocks then stay F32 too.
@@ -177,7 +185,7 @@ impl Encoder {
             conv1,
             conv2,
             bf16_convs,
-            positions: sinusoids(cfg.max_source_positions, d, vb.device())?.to_dtype(vb.dtype())?,
+            positions,
             blocks,
             ln_post: layer_norm(d, LAYER_NORM_EPS, vb.pp("layer_norm"))?,
             n_head,

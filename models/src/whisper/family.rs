@@ -68,17 +68,30 @@ impl Family for WhisperFamily {
         }
     }
 
+    /// CTranslate2's files (`Systran/faster-whisper-base`); a repository without `model.bin`
+    /// gets Hugging Face's instead ([`Family::hub_other_files`]).
     fn hub_files(&self, _repo: &str, _file: Option<&str>) -> Result<Vec<(String, &'static str)>> {
         Ok(["model.bin", "config.json", "tokenizer.json"].into_iter().map(|f| (f.to_string(), f)).collect())
     }
 
-    /// CTranslate2 files hold F16 weights: twice the file in F32, as stored in F16.
-    fn estimate_bytes(&self, dir: &Path, settings: &LoadSettings) -> Result<u64> {
-        Ok(file_len(dir, "model.bin")? * settings.precision.dtype(&settings.device).size_in_bytes() as u64 / 2)
+    /// A Hugging Face repository (`openai/whisper-large-v3`, `distil-whisper/distil-large-v3`).
+    fn hub_other_files(&self, _repo: &str) -> Vec<(String, &'static str)> {
+        ["model.safetensors", "config.json", "generation_config.json", "tokenizer.json"].into_iter().map(|f| (f.to_string(), f)).collect()
     }
 
+    /// CTranslate2 files hold F16 weights: twice the file in F32, as stored in F16. A Hugging
+    /// Face folder: its tensors' elements in the precision's dtype.
+    fn estimate_bytes(&self, dir: &Path, settings: &LoadSettings) -> Result<u64> {
+        let size = settings.precision.dtype(&settings.device).size_in_bytes() as u64;
+        if dir.join("model.bin").is_file() {
+            return Ok(file_len(dir, "model.bin")? * size / 2);
+        }
+        Ok(super::hf::elements(dir)? * size)
+    }
+
+    /// Either format ([`Whisper::load_in`]).
     fn load(&self, dir: &Path, settings: &LoadSettings) -> Result<Box<dyn FamilyModel>> {
-        Ok(Box::new(Whisper::load_ct2_in(dir, &settings.device, settings.precision)?))
+        Ok(Box::new(Whisper::load_in(dir, &settings.device, settings.precision)?))
     }
 
     /// 8 windows until the warmup has measured what fits; then what the memory free holds, at

@@ -12,6 +12,7 @@ mod ct2;
 mod decode;
 mod decoder;
 mod encoder;
+mod hf;
 mod mel;
 mod words;
 
@@ -445,8 +446,10 @@ struct Work {
     tail: bool,
 }
 
-#[derive(serde::Deserialize)]
-struct Ct2Config {
+/// What a model folder says of decoding besides its weights: CTranslate2's `config.json`, or
+/// what [`hf`] reads from a Hugging Face folder's `generation_config.json` under these names.
+#[derive(serde::Deserialize, Default)]
+struct DecodingRules {
     #[serde(default)]
     suppress_ids: Vec<u32>,
     #[serde(default)]
@@ -464,6 +467,28 @@ fn token(tok: &Tokenizer, s: &str) -> Result<u32> {
 }
 
 impl Whisper {
+    /// Loads a Whisper folder in either format: CTranslate2's (`model.bin`, as faster-whisper
+    /// reads it) or Hugging Face's (`config.json`, `generation_config.json`, safetensors, as
+    /// `WhisperForConditionalGeneration` saves it: openai/whisper-*, distil-whisper,
+    /// fine-tunes), computing in `precision`.
+    pub fn load_in(dir: &Path, device: &Device, precision: Precision) -> Result<Whisper> {
+        if dir.join("model.bin").is_file() {
+            Self::load_ct2_in(dir, device, precision)
+        } else {
+            Self::load_hf_in(dir, device, precision)
+        }
+    }
+
+    /// Loads a Hugging Face Whisper folder ([`hf`]): `config.json`, `generation_config.json`
+    /// (suppressed tokens, languages, alignment heads), `tokenizer.json` and the weights
+    /// (`model.safetensors`, an fp16 variant, or shards with an index), F32, F16 or BF16.
+    pub fn load_hf_in(dir: &Path, device: &Device, precision: Precision) -> Result<Whisper> {
+        let hf::HfWhisper { tensors, config, rules, embeddings_f16 } = hf::read(dir)?;
+        // As for CTranslate2's F16 files: F16 token embeddings hold what the file holds.
+        let embeddings_in_f16 = embeddings_f16 && device.is_cpu() && precision.dtype(device) == DType::F32;
+        Self::assemble(dir, tensors, config, rules, embeddings_in_f16, device, precision)
+    }
+
     /// Loads a CTranslate2 (faster-whisper) model folder: `model.bin` (F32/F16/BF16 weights;
     /// int8-quantised files are refused), `config.json` (`suppress_ids`, `suppress_ids_begin`,
     /// `lang_ids`; missing keys default to empty) and `tokenizer.json`.
@@ -486,19 +511,30 @@ impl Whisper {
         let embeddings_in_f16 = device.is_cpu()
             && dtype == DType::F32
             && vars.get("decoder/embeddings/weight").is_some_and(|v| v.dtype == ct2::DTYPE_F16);
-        let ct2::Ct2Whisper {
-            tensors,
-            mut config,
-        } = ct2::to_candle(&vars)?;
+        let ct2::Ct2Whisper { tensors, config } = ct2::to_candle(&vars)?;
         drop(vars);
-        let weights_bytes: u64 = tensors.values().map(|t| (t.elem_count() * dtype.size_in_bytes()) as u64).sum();
-
         let cfg_path = dir.join("config.json");
-        let ct2_cfg: Ct2Config = serde_json::from_slice(
+        let rules: DecodingRules = serde_json::from_slice(
             &std::fs::read(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?,
         )
         .with_context(|| format!("parsing {}", cfg_path.display()))?;
-        config.suppress_tokens = ct2_cfg.suppress_ids.clone();
+        Self::assemble(dir, tensors, config, rules, embeddings_in_f16, device, precision)
+    }
+
+    /// The model from its weights under candle's names (F32 on the CPU), its architecture, its
+    /// decoding rules and `dir/tokenizer.json`.
+    fn assemble(
+        dir: &Path,
+        tensors: std::collections::HashMap<String, candle_core::Tensor>,
+        mut config: Config,
+        rules: DecodingRules,
+        embeddings_in_f16: bool,
+        device: &Device,
+        precision: Precision,
+    ) -> Result<Whisper> {
+        let dtype = precision.dtype(device);
+        let weights_bytes: u64 = tensors.values().map(|t| (t.elem_count() * dtype.size_in_bytes()) as u64).sum();
+        config.suppress_tokens = rules.suppress_ids.clone();
 
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path)
@@ -533,13 +569,13 @@ impl Whisper {
                 .iter()
                 .find_map(|t| tokenizer.token_to_id(t)),
             prev: tokenizer.token_to_id("<|startofprev|>"),
-            suppress: ct2_cfg.suppress_ids,
-            suppress_begin: ct2_cfg.suppress_ids_begin,
+            suppress: rules.suppress_ids,
+            suppress_begin: rules.suppress_ids_begin,
         };
         // A vocabulary of 51864 is English-only; multilingual ones have the 99+ language tokens.
         let multilingual = config.vocab_size >= 51865;
         let languages = if multilingual {
-            ct2_cfg
+            rules
                 .lang_ids
                 .iter()
                 .filter_map(|&id| {
@@ -555,11 +591,11 @@ impl Whisper {
             bail!("multilingual model but config.json has no usable lang_ids");
         }
         // Without the model's own list, OpenAI's default: every head of the later half.
-        let alignment_heads = if ct2_cfg.alignment_heads.is_empty() {
+        let alignment_heads = if rules.alignment_heads.is_empty() {
             let layers = config.decoder_layers;
             (layers / 2..layers).flat_map(|l| (0..config.decoder_attention_heads).map(move |h| (l, h))).collect()
         } else {
-            ct2_cfg.alignment_heads.clone()
+            rules.alignment_heads.clone()
         };
         let mut whisper = Whisper {
             filters: mel::mel_filters(config.num_mel_bins),
@@ -630,6 +666,19 @@ impl Whisper {
             bail!("warmup produced non-finite logits");
         }
         Ok(())
+    }
+
+    /// The logits after `tokens` (a decoder prompt such as `<|startoftranscript|><|en|>...`)
+    /// for a recording's first window under [`Padding::Full`]: what the parity tests compare
+    /// with a reference implementation's, before any rule picks a token.
+    pub fn prompt_logits(&self, pcm: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
+        let first = window_cuts(pcm)[0];
+        let mel = mel::window_mel(&self.config, &self.filters, pcm, first, m::N_FRAMES, &self.device)?;
+        let features = self.encoder.forward(&mel, None)?;
+        let cross = self.decoder.cross_kv(&features, None)?;
+        let input = candle_core::Tensor::from_vec(tokens.to_vec(), (1, tokens.len()), &self.device)?;
+        let ys = self.decoder.forward(&input, &cross, &mut self.decoder.new_cache())?;
+        Ok(self.decoder.logits_vecs(&ys, tokens.len() - 1)?.remove(0))
     }
 
     /// The log-mel features of a recording's first window as the encoder sees it under

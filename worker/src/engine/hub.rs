@@ -45,7 +45,20 @@ pub fn fetch(models_dir: &Path, name: &str, family: Family, runtime: &tokio::run
     let dir = models_dir.join("hf").join(folder);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let http = reqwest::Client::new();
-    for (remote, local) in family.plugin().hub_files(model.repo, model.file)? {
+    let files = family.plugin().hub_files(model.repo, model.file)?;
+    let other = family.plugin().hub_other_files(model.repo);
+    // The repository's other layout where the first file of the usual one is not there.
+    let layout = match files.first() {
+        Some((first, _)) if !other.is_empty() && !dir.join(first).is_file() => {
+            let url = format!("{}/{}/resolve/{}/{first}", endpoint.trim_end_matches('/'), model.repo, model.revision);
+            match runtime.block_on(http.head(&url).send()) {
+                Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => other,
+                _ => files,
+            }
+        }
+        _ => files,
+    };
+    for (remote, local) in layout {
         let target = dir.join(local);
         if target.is_file() {
             continue;
