@@ -28,4 +28,5 @@ pub mod family;
 pub mod generate;
 pub mod precision;
 pub mod wer;
+mod weights;
 pub mod whisper;

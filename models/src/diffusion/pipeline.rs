@@ -2,7 +2,7 @@
 //! `StableDiffusionXLPipeline` compute it: prompts encoded by CLIP, latents denoised by the UNet
 //! under classifier-free guidance as the scheduler steps, decoded by the VAE.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -26,31 +26,7 @@ pub(crate) fn weights(dir: &Path, stem: &str, dtype: DType, device: &Device) -> 
     Ok(unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? })
 }
 
-pub(crate) fn weight_files(dir: &Path, stem: &str) -> Result<Vec<PathBuf>> {
-    for name in [format!("{stem}.safetensors"), format!("{stem}.fp16.safetensors")] {
-        if dir.join(&name).is_file() {
-            return Ok(vec![dir.join(name)]);
-        }
-    }
-    for index in [format!("{stem}.safetensors.index.json"), format!("{stem}.safetensors.index.fp16.json")] {
-        let path = dir.join(&index);
-        if path.is_file() {
-            let index: serde_json::Value = super::config::read_json(&path)?;
-            let mut files: Vec<PathBuf> = index
-                .get("weight_map")
-                .and_then(serde_json::Value::as_object)
-                .context("weight_map missing")?
-                .values()
-                .filter_map(serde_json::Value::as_str)
-                .map(|f| dir.join(f))
-                .collect();
-            files.sort();
-            files.dedup();
-            return Ok(files);
-        }
-    }
-    bail!("{}: no {stem}.safetensors (or .fp16.safetensors, or an index of shards)", dir.display())
-}
+pub(crate) use crate::weights::safetensors_files as weight_files;
 
 /// One image of a batch: its prompt, its guidance and where its initial noise comes from.
 #[derive(Debug, Clone)]

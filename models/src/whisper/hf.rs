@@ -11,7 +11,6 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::whisper::Config;
 use serde::Deserialize;
-use serde_json::Value;
 
 use super::DecodingRules;
 
@@ -71,31 +70,8 @@ struct GenerationConfig {
     alignment_heads: Vec<(usize, usize)>,
 }
 
-/// The safetensors of a folder: `model.safetensors`, else `model.fp16.safetensors`, else the
-/// shards an index names.
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    for name in ["model.safetensors", "model.fp16.safetensors"] {
-        if dir.join(name).is_file() {
-            return Ok(vec![dir.join(name)]);
-        }
-    }
-    for index in ["model.safetensors.index.json", "model.safetensors.index.fp16.json"] {
-        let path = dir.join(index);
-        if path.is_file() {
-            let index: Value = serde_json::from_slice(&std::fs::read(&path)?).with_context(|| format!("parsing {}", path.display()))?;
-            let mut files: Vec<PathBuf> = index["weight_map"]
-                .as_object()
-                .context("weight_map missing")?
-                .values()
-                .filter_map(Value::as_str)
-                .map(|f| dir.join(f))
-                .collect();
-            files.sort();
-            files.dedup();
-            return Ok(files);
-        }
-    }
-    bail!("{}: no model.safetensors (or model.fp16.safetensors, or an index of shards)", dir.display())
+    crate::weights::safetensors_files(dir, "model")
 }
 
 /// Elements of the weights in `dir`, from the files' headers.
