@@ -42,19 +42,38 @@ impl Drop for FileServer {
     }
 }
 
+/// A local hub serving `files` of the folder `source` as the repository `repo` (linked, folders
+/// kept), and an empty models directory for a worker to download them into.
+struct LocalHub {
+    _server: FileServer,
+    _root: tempfile::TempDir,
+    endpoint: String,
+    models: tempfile::TempDir,
+}
+
+impl LocalHub {
+    async fn serve(repo: &str, source: &std::path::Path, files: &[&str]) -> LocalHub {
+        let root = tempfile::tempdir().unwrap();
+        let served = root.path().join(repo).join("resolve/main");
+        for file in files {
+            let target = served.join(file);
+            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+            std::os::unix::fs::symlink(source.join(file), target).unwrap();
+        }
+        let (server, port) = FileServer::serve(root.path()).await;
+        LocalHub { _server: server, _root: root, endpoint: format!("http://127.0.0.1:{port}"), models: tempfile::tempdir().unwrap() }
+    }
+
+    /// A worker's settings for this hub: its endpoint and the models directory.
+    fn worker_env(&self) -> [(&str, &str); 2] {
+        [("HF_ENDPOINT", self.endpoint.as_str()), ("TERN_MODELS_DIR", self.models.path().to_str().unwrap())]
+    }
+}
+
 #[tokio::test]
 async fn a_hub_model_id_is_downloaded_once_and_serves_jobs() {
     let models = tern_e2e::models_dir();
-    let hub = tempfile::tempdir().unwrap();
-    let files = hub.path().join("test-org/whisper-tiny.en/resolve/main");
-    std::fs::create_dir_all(&files).unwrap();
-    for f in ["model.bin", "config.json", "tokenizer.json"] {
-        std::os::unix::fs::symlink(models.join("whisper-tiny.en").join(f), files.join(f)).unwrap();
-    }
-    let (_server, port) = FileServer::serve(hub.path()).await;
-    let local = tempfile::tempdir().unwrap();
-    let endpoint = format!("http://127.0.0.1:{port}");
-    let local_dir = local.path().to_str().unwrap().to_string();
+    let hub = LocalHub::serve("test-org/whisper-tiny.en", &models.join("whisper-tiny.en"), &["model.bin", "config.json", "tokenizer.json"]).await;
 
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let clip = std::fs::read(models.join("testdata/librivox").join(
@@ -75,16 +94,11 @@ async fn a_hub_model_id_is_downloaded_once_and_serves_jobs() {
         .await
         .unwrap();
     let worker = cluster
-        .spawn_worker(&[
-            ("HF_ENDPOINT", endpoint.as_str()),
-            ("TERN_MODELS_DIR", local_dir.as_str()),
-            ("TERN_WHISPER_MODEL", "hf:test-org/whisper-tiny.en"),
-            ("TERN_WORKER_KINDS", "transcribe"),
-        ])
+        .spawn_worker(&[hub.worker_env().as_slice(), &[("TERN_WHISPER_MODEL", "hf:test-org/whisper-tiny.en"), ("TERN_WORKER_KINDS", "transcribe")]].concat())
         .unwrap();
     let counts = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
     assert_eq!(counts.get("succeeded"), Some(&2), "{counts:?}\n{}", worker.log_text());
-    let fetched = local.path().join("hf/test-org--whisper-tiny.en--main/model.bin");
+    let fetched = hub.models.path().join("hf/test-org--whisper-tiny.en--main/model.bin");
     assert_eq!(
         std::fs::metadata(&fetched).unwrap().len(),
         std::fs::metadata(models.join("whisper-tiny.en/model.bin")).unwrap().len(),
@@ -103,8 +117,6 @@ async fn a_hub_model_id_is_downloaded_once_and_serves_jobs() {
 #[tokio::test]
 async fn a_hub_diffusers_repository_is_downloaded_folder_by_folder_and_makes_images() {
     let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion/sd-tiny");
-    let hub = tempfile::tempdir().unwrap();
-    let files = hub.path().join("test-org/sd-tiny/resolve/main");
     let repo_files = [
         "model_index.json",
         "scheduler/scheduler_config.json",
@@ -118,31 +130,19 @@ async fn a_hub_diffusers_repository_is_downloaded_folder_by_folder_and_makes_ima
         "vae/config.json",
         "vae/diffusion_pytorch_model.safetensors",
     ];
-    for remote in repo_files {
-        let target = files.join(remote);
-        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-        std::os::unix::fs::symlink(fixture.join(remote), target).unwrap();
-    }
-    let (_server, port) = FileServer::serve(hub.path()).await;
-    let local = tempfile::tempdir().unwrap();
-    let (endpoint, local_dir) = (format!("http://127.0.0.1:{port}"), local.path().to_str().unwrap().to_string());
+    let hub = LocalHub::serve("test-org/sd-tiny", &fixture, &repo_files).await;
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let ids = cluster
         .submit_all(&[json!({"kind": "image", "input": {"prompt": "a lighthouse at dusk", "width": 64, "height": 64, "steps": 2, "seed": 3}})])
         .await
         .unwrap();
     let worker = cluster
-        .spawn_worker(&[
-            ("HF_ENDPOINT", endpoint.as_str()),
-            ("TERN_MODELS_DIR", local_dir.as_str()),
-            ("TERN_IMAGE_MODEL", "hf:test-org/sd-tiny"),
-            ("TERN_WORKER_KINDS", "image"),
-        ])
+        .spawn_worker(&[hub.worker_env().as_slice(), &[("TERN_IMAGE_MODEL", "hf:test-org/sd-tiny"), ("TERN_WORKER_KINDS", "image")]].concat())
         .unwrap();
     let counts = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
     assert_eq!(counts.get("succeeded"), Some(&1), "{counts:?}\n{}", worker.log_text());
     assert_eq!(worker.log_text().matches("downloading from the hub").count(), 11, "each file once");
-    let fetched = local.path().join("hf/test-org--sd-tiny--main/unet/diffusion_pytorch_model.safetensors");
+    let fetched = hub.models.path().join("hf/test-org--sd-tiny--main/unet/diffusion_pytorch_model.safetensors");
     assert_eq!(std::fs::metadata(&fetched).unwrap().len(), std::fs::metadata(fixture.join("unet/diffusion_pytorch_model.safetensors")).unwrap().len());
     let (_, job) = cluster.get(&format!("/v1/jobs/{}", ids[0])).await.unwrap();
     assert_eq!(job["output"]["inline"]["model"], "hf:test-org/sd-tiny", "{job}");
@@ -154,32 +154,18 @@ async fn a_hub_diffusers_repository_is_downloaded_folder_by_folder_and_makes_ima
 #[tokio::test]
 async fn a_hub_whisper_repository_in_hugging_faces_format_serves_transcriptions() {
     let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/whisper-hf/large-v3");
-    let hub = tempfile::tempdir().unwrap();
-    let files = hub.path().join("test-org/whisper-large-v3-tiny/resolve/main");
-    std::fs::create_dir_all(&files).unwrap();
-    for f in ["config.json", "generation_config.json", "tokenizer.json", "model.safetensors"] {
-        std::os::unix::fs::symlink(fixture.join(f), files.join(f)).unwrap();
-    }
-    let (_server, port) = FileServer::serve(hub.path()).await;
-    let local = tempfile::tempdir().unwrap();
-    let (endpoint, local_dir) = (format!("http://127.0.0.1:{port}"), local.path().to_str().unwrap().to_string());
+    let hf_files = ["config.json", "generation_config.json", "tokenizer.json", "model.safetensors"];
+    let hub = LocalHub::serve("test-org/whisper-large-v3-tiny", &fixture, &hf_files).await;
     let mut cluster = Cluster::start(&[]).await.unwrap();
     let clip = std::fs::read(tern_e2e::models_dir().join("testdata/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")).unwrap();
     let audio = base64::engine::general_purpose::STANDARD.encode(&clip);
     let ids = cluster.submit_all(&[json!({"kind": "transcribe", "input": {"audio": {"base64": audio}, "language": "en"}})]).await.unwrap();
-    let worker = cluster
-        .spawn_worker(&[
-            ("HF_ENDPOINT", endpoint.as_str()),
-            ("TERN_MODELS_DIR", local_dir.as_str()),
-            ("TERN_WHISPER_MODEL", "hf:test-org/whisper-large-v3-tiny"),
-            ("TERN_WORKER_KINDS", "transcribe"),
-            ("TERN_WHISPER_BEAM_SIZE", "1"),
-        ])
-        .unwrap();
+    let model = [("TERN_WHISPER_MODEL", "hf:test-org/whisper-large-v3-tiny"), ("TERN_WORKER_KINDS", "transcribe"), ("TERN_WHISPER_BEAM_SIZE", "1")];
+    let worker = cluster.spawn_worker(&[hub.worker_env().as_slice(), &model].concat()).unwrap();
     let counts = cluster.wait_terminal(&ids, Duration::from_secs(120)).await.unwrap();
     assert_eq!(counts.get("succeeded"), Some(&1), "{counts:?}\n{}", worker.log_text());
-    let fetched = local.path().join("hf/test-org--whisper-large-v3-tiny--main");
-    for f in ["config.json", "generation_config.json", "tokenizer.json", "model.safetensors"] {
+    let fetched = hub.models.path().join("hf/test-org--whisper-large-v3-tiny--main");
+    for f in hf_files {
         assert!(fetched.join(f).is_file(), "{f} downloaded");
     }
     assert!(!fetched.join("model.bin").exists());

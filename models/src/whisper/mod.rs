@@ -448,7 +448,7 @@ struct Work {
 
 /// What a model folder says of decoding besides its weights: CTranslate2's `config.json`, or
 /// what [`hf`] reads from a Hugging Face folder's `generation_config.json` under these names.
-#[derive(serde::Deserialize, Default)]
+#[derive(serde::Deserialize)]
 struct DecodingRules {
     #[serde(default)]
     suppress_ids: Vec<u32>,

@@ -394,9 +394,19 @@ impl<P: Send + 'static> ProgressUntilReply<P> {
     }
 
     /// Sends `progress` unless the reply has gone.
-    pub fn send(&self, progress: P) {
+    fn send(&self, progress: P) {
         if let Some(p) = self.0.lock().expect("not poisoned").as_ref() {
             let _ = p.send(progress);
+        }
+    }
+
+    /// A family's step callback: sends the state it is given and answers whether to go on
+    /// (until `stop` is raised).
+    pub fn report_until(&self, stop: Arc<AtomicBool>) -> impl Fn(P) -> bool + Send + 'static {
+        let progress = self.clone();
+        move |state| {
+            progress.send(state);
+            !stop.load(Ordering::Relaxed)
         }
     }
 

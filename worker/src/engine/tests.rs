@@ -16,6 +16,14 @@ fn embedder() -> Family {
     Family::named("embedder").unwrap()
 }
 
+/// An engine serving the diffusion family's tiny fixture (random weights) as its image model,
+/// `probe` telling its memory.
+fn sd_tiny_engine(probe: MemoryProbe) -> Engine {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
+    let names = ModelNames::defaults().with("diffusion", "sd-tiny");
+    Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, BatchLimits::defaults(1), probe)
+}
+
 /// Six clips always in flight (each answered one is sent again) keep a continuous
 /// transcription batch running for as long as the loop goes on. A model swap must still
 /// apply once its batch drains, not wait for the load to stop.
@@ -81,10 +89,7 @@ async fn a_swap_applies_while_a_closed_loop_keeps_a_transcription_batch_running(
 /// `canceled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_image_request_reports_each_step_and_stops_when_asked() {
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
-    let names = ModelNames::defaults().with("diffusion", "sd-tiny");
-    let limits = BatchLimits::defaults(1);
-    let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, MemoryProbe::Host);
+    let engine = sd_tiny_engine(MemoryProbe::Host);
     let request = ImageRequest {
         prompt: "a lighthouse at dusk".into(),
         width: Some(64),
@@ -123,13 +128,10 @@ async fn an_image_request_reports_each_step_and_stops_when_asked() {
 /// cannot tell), images decode in tiles, and with room enough whole; both finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn images_decode_in_tiles_when_a_whole_decode_would_not_fit() {
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
-    let names = ModelNames::defaults().with("diffusion", "sd-tiny");
-    let limits = BatchLimits::defaults(1);
     // 1 KiB a UNet row, so the rows always fit; a 128x128 whole decode of sd-tiny's VAE
     // needs about 5 MiB.
     let (probe, figures) = MemoryProbe::fixed(1 << 20, 1 << 10);
-    let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, probe);
+    let engine = sd_tiny_engine(probe);
     let request = ImageRequest {
         prompt: "a lighthouse at dusk".into(),
         width: Some(128),
@@ -157,14 +159,11 @@ async fn images_decode_in_tiles_when_a_whole_decode_would_not_fit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn image_encoders_and_vae_wait_in_host_memory_when_the_unet_rows_need_their_room() {
     use tern_models::diffusion::MemoryState;
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/diffusion");
-    let names = ModelNames::defaults().with("diffusion", "sd-tiny");
-    let limits = BatchLimits::defaults(1);
     // A UNet row takes 512 KiB (the warmup measures what the probe says); sd-tiny's text
     // encoder and VAE decoder weigh 0.93 MiB in F32, a whole 64x64 decode takes 1.3 MiB.
     // 64 MiB free hold everything.
     let (probe, figures) = MemoryProbe::fixed(64 << 20, 512 << 10);
-    let engine = Engine::start(fixtures, candle_core::Device::Cpu, Default::default(), names, 4 << 30, limits, probe);
+    let engine = sd_tiny_engine(probe);
     let request = ImageRequest { prompt: "a lighthouse at dusk".into(), steps: Some(2), seed: Some(3), n: Some(2), scheduler: Some(tern_models::diffusion::SchedulerKind::Euler), ..Default::default() };
     let run = |request: ImageRequest| {
         let (progress, _rx) = tokio_mpsc::unbounded_channel();

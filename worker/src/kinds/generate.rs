@@ -8,9 +8,7 @@ use super::{engine_failure, json_output, permanent, Context, Execution};
 use serde_json::{json, Value};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 use crate::engine::{Engine, EngineError, ProgressUntilReply, Served};
-use std::sync::atomic::Ordering;
 use tern_jobs::{Job, JobKind};
 use tern_models::generate::family::GenerateWork;
 use tern_models::generate::{ChatMessage, GenerateOptions, Generation, Prompt};
@@ -26,18 +24,10 @@ pub async fn generate(
 ) -> Result<Served<Generation>, EngineError> {
     let (reply, answer) = tokio::sync::oneshot::channel();
     let progress = ProgressUntilReply::new(progress);
-    let on_text = {
-        let progress = progress.clone();
-        Box::new(move |text: &str, tokens: usize| {
-            progress.send((text.to_string(), tokens));
-            !stop.load(Ordering::Relaxed)
-        })
-    };
+    let report = progress.report_until(stop);
+    let on_text = Box::new(move |text: &str, tokens: usize| report((text.to_string(), tokens)));
     engine.run(JobKind::Generate, Box::new(GenerateWork { prompt, options, on_text, reply: progress.reply(reply) }), answer).await
 }
-
-/// Shortest interval between two progress writes to Redis.
-const PROGRESS_EVERY: Duration = Duration::from_millis(200);
 
 fn options(input: &Value) -> GenerateOptions {
     let defaults = GenerateOptions::default();
@@ -68,25 +58,11 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         _ => return permanent("invalid_input", "give exactly one of input.prompt and input.messages"),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<(String, usize)>();
+    let (progress_tx, progress_rx) = tokio::sync::mpsc::unbounded_channel::<(String, usize)>();
     let max_tokens = options(input).max_tokens;
-    let report = async {
-        let mut last = Instant::now() - PROGRESS_EVERY;
-        while let Some((mut text, mut tokens)) = progress_rx.recv().await {
-            // Only the newest state matters.
-            while let Ok((t, n)) = progress_rx.try_recv() {
-                (text, tokens) = (t, n);
-            }
-            if last.elapsed() < PROGRESS_EVERY {
-                continue;
-            }
-            last = Instant::now();
-            if let Err(e) = ctx.queue.set_progress_text(job.kind, job.id, tokens as u64, max_tokens as u64, &text).await {
-                tracing::warn!(error = %e, "could not record progress");
-            }
-            super::progress_event(job, ctx).await;
-        }
-    };
+    let report = super::record_progress(job, ctx, progress_rx, |last, _| last.elapsed() >= super::PROGRESS_EVERY, |(text, tokens)| async move {
+        ctx.queue.set_progress_text(job.kind, job.id, tokens as u64, max_tokens as u64, &text).await
+    });
     let work = async { tokio::join!(generate(engine, prompt, options(input), progress_tx, stop.clone()), report) };
     let Some((generation, ())) = super::until_stopped(ctx.stop, &stop, work).await else {
         return Execution::Stopped;

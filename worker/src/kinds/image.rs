@@ -7,14 +7,13 @@
 //! runtime and stored beside the JSON output as the rendering `{i}.png` (key
 //! [`super::output_key`]), which the output names by key.
 
-use super::{engine_failure, permanent, Context, Execution, ExtraOutput};
+use super::{engine_failure, permanent, Context, Execution, ExtraOutput, PROGRESS_EVERY};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use crate::engine::{Engine, EngineError, ProgressUntilReply, Served};
-use std::sync::atomic::Ordering;
 use tern_jobs::{Failure, Job, JobKind};
 use tern_models::diffusion::family::ImageWork;
 use tern_models::diffusion::{GeneratedImage, ImageOutput, ImageRequest};
@@ -32,18 +31,10 @@ pub async fn generate_images(
 ) -> Result<Served<ImageOutput>, EngineError> {
     let (reply, answer) = tokio::sync::oneshot::channel();
     let progress = ProgressUntilReply::new(progress);
-    let on_step = {
-        let progress = progress.clone();
-        Box::new(move |done: usize, total: usize| {
-            progress.send((done, total));
-            !stop.load(Ordering::Relaxed)
-        })
-    };
+    let report = progress.report_until(stop);
+    let on_step = Box::new(move |done: usize, total: usize| report((done, total)));
     engine.run(JobKind::Image, Box::new(ImageWork { request, on_step, reply: progress.reply(reply) }), answer).await
 }
-
-/// Shortest interval between two progress writes to Redis.
-const PROGRESS_EVERY: Duration = Duration::from_millis(200);
 
 /// Whether step `done` of `total` is published, the last one having been at `last`: at most
 /// every [`PROGRESS_EVERY`], but the last step always, so the progress ends at total/total.
@@ -75,24 +66,10 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         Err(e) => return permanent("invalid_input", format!("input: {e}")),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, usize)>();
-    let report = async {
-        let mut last = Instant::now() - PROGRESS_EVERY;
-        while let Some((mut done, mut total)) = progress_rx.recv().await {
-            // Only the newest state matters.
-            while let Ok(newer) = progress_rx.try_recv() {
-                (done, total) = newer;
-            }
-            if !progress_due(last, done, total) {
-                continue;
-            }
-            last = Instant::now();
-            if let Err(e) = ctx.queue.set_progress(job.kind, job.id, done as u64, total as u64).await {
-                tracing::warn!(error = %e, "could not record progress");
-            }
-            super::progress_event(job, ctx).await;
-        }
-    };
+    let (progress_tx, progress_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, usize)>();
+    let report = super::record_progress(job, ctx, progress_rx, |last, &(done, total)| progress_due(last, done, total), |(done, total)| {
+        ctx.queue.set_progress(job.kind, job.id, done as u64, total as u64)
+    });
     let work = async { tokio::join!(generate_images(engine, request, progress_tx, stop.clone()), report) };
     let Some((generated, ())) = super::until_stopped(ctx.stop, &stop, work).await else {
         return Execution::Stopped;

@@ -96,6 +96,39 @@ pub async fn progress_event(job: &Job, ctx: &Context<'_>) {
     }
 }
 
+/// Shortest interval between two progress writes to Redis.
+pub const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Records the progress a model call reports on `reports` as the job's: only the newest state
+/// waiting, written with `write` when `due(last write, state)` says so (at first always), each
+/// write followed by a [`progress_event`]. Ends when the call drops its sender.
+pub async fn record_progress<P, W, E>(
+    job: &Job,
+    ctx: &Context<'_>,
+    mut reports: tokio::sync::mpsc::UnboundedReceiver<P>,
+    due: impl Fn(std::time::Instant, &P) -> bool,
+    mut write: impl FnMut(P) -> W,
+) where
+    W: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let mut last = std::time::Instant::now() - PROGRESS_EVERY;
+    while let Some(mut state) = reports.recv().await {
+        // Only the newest state matters.
+        while let Ok(newer) = reports.try_recv() {
+            state = newer;
+        }
+        if !due(last, &state) {
+            continue;
+        }
+        last = std::time::Instant::now();
+        if let Err(e) = write(state).await {
+            tracing::warn!(error = %e, "could not record progress");
+        }
+        progress_event(job, ctx).await;
+    }
+}
+
 /// Runs `work` (a model call reading `flag`), raising `flag` as soon as the job's stop signal
 /// is raised so the model thread stops early. `None` when the job was stopped: its result must
 /// not be reported.
