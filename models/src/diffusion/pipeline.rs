@@ -16,17 +16,16 @@ use super::offload::{tensor_bytes, MemoryPolicy, MemoryState, Placed};
 use super::scheduler::{self, SchedulerConfig, SchedulerKind};
 use super::unet::{AddedCondition, UNet};
 use super::vae;
+use crate::weights::safetensors_files;
 
 /// The safetensors of a component: `STEM.safetensors`, else `STEM.fp16.safetensors`, else the
 /// shards an `STEM.safetensors.index.json` names; loaded as `dtype`.
 pub(crate) fn weights(dir: &Path, stem: &str, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
-    let files = weight_files(dir, stem)?;
+    let files = safetensors_files(dir, stem)?;
     // Safety: the files are memory-mapped read-only; tern never writes model folders while a
     // worker runs them.
     Ok(unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? })
 }
-
-pub(crate) use crate::weights::safetensors_files as weight_files;
 
 /// One image of a batch: its prompt, its guidance and where its initial noise comes from.
 #[derive(Debug, Clone)]
@@ -109,7 +108,7 @@ impl StableDiffusion {
             let folder = dir.join(format!("text_encoder{side}"));
             let config = ClipConfig::read(&folder.join("config.json"))?;
             let build = Box::new(move |vb: VarBuilder| ClipTextModel::load(vb, &config));
-            let encoder = Placed::load(weight_files(&folder, "model")?, &[], build, dtype, device).with_context(|| format!("loading {}", folder.display()))?;
+            let encoder = Placed::load(safetensors_files(&folder, "model")?, &[], build, dtype, device).with_context(|| format!("loading {}", folder.display()))?;
             encoders.push(encoder);
         }
         let unet_dir = dir.join("unet");
@@ -119,7 +118,7 @@ impl StableDiffusion {
         let vae_dir = dir.join("vae");
         let decoder_config = vae_config.clone();
         let build = Box::new(move |vb: VarBuilder| vae::Decoder::load(vb, &decoder_config));
-        let vae = Placed::load(weight_files(&vae_dir, "diffusion_pytorch_model")?, vae::DECODER_PREFIXES, build, dtype, device)
+        let vae = Placed::load(safetensors_files(&vae_dir, "diffusion_pytorch_model")?, vae::DECODER_PREFIXES, build, dtype, device)
             .with_context(|| format!("loading {}", vae_dir.display()))?;
         Ok(StableDiffusion {
             kind: pipeline.kind,
@@ -317,7 +316,7 @@ impl StableDiffusion {
 
 /// Bytes a component's weights under `prefixes` (all where none) take in `dtype`.
 pub(crate) fn component_bytes(dir: &Path, stem: &str, prefixes: &[&str], dtype: DType) -> Result<u64> {
-    tensor_bytes(&weight_files(dir, stem)?, prefixes, dtype)
+    tensor_bytes(&safetensors_files(dir, stem)?, prefixes, dtype)
 }
 
 /// Standard normal noise from `rng` (Box-Muller), F32.
