@@ -31,12 +31,12 @@ const BAND_BYTES: usize = 4 << 20;
 const QUERIES_PER_TASK: usize = 128;
 
 /// Whether `t` runs on tern's CPU kernels (F32 on the CPU) rather than candle's ops.
-fn on_cpu_f32(t: &Tensor) -> bool {
+pub(super) fn on_cpu_f32(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
 }
 
 /// The values of a contiguous F32 CPU tensor's storage.
-fn values<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [f32]> {
+pub(super) fn values<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [f32]> {
     let Storage::Cpu(cpu) = storage else {
         bail!("expected a CPU tensor");
     };
@@ -70,17 +70,23 @@ impl Conv2d {
     /// `x` `(b, c_in, h, w)` to `(b, c_out, h, w)`, plus `residual` `(b, c_out, h, w)` when
     /// given (added in the same pass on the CPU).
     pub(super) fn forward(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
-        self.run(x, false, residual)
+        self.run(x, false, residual, None)
+    }
+
+    /// [`Conv2d::forward`] with `shift` `(b, c_out)` added to every pixel of image `b`'s
+    /// channel `c_out` (a UNet resnet's time embedding), in the same pass on the CPU.
+    pub(super) fn forward_shifted(&self, x: &Tensor, shift: &Tensor) -> Result<Tensor> {
+        self.run(x, false, None, Some(shift))
     }
 
     /// The convolution of `x` upsampled 2x by nearest neighbour (diffusers' `Upsample2D`):
     /// `(b, c_in, h, w)` to `(b, c_out, 2h, 2w)`. On the CPU the upsampled input is never
     /// materialised: each band expands the few input rows it reads.
     pub(super) fn forward_upsampled(&self, x: &Tensor) -> Result<Tensor> {
-        self.run(x, true, None)
+        self.run(x, true, None, None)
     }
 
-    fn run(&self, x: &Tensor, upsample: bool, residual: Option<&Tensor>) -> Result<Tensor> {
+    fn run(&self, x: &Tensor, upsample: bool, residual: Option<&Tensor>, shift: Option<&Tensor>) -> Result<Tensor> {
         let (b, c, h, w) = x.dims4()?;
         ensure!(c == self.c_in, "a convolution over {} channels was given {c}", self.c_in);
         ensure!(h > 0 && w > 0, "a convolution over an empty {h}x{w} image");
@@ -89,9 +95,15 @@ impl Conv2d {
         if let Some(r) = residual {
             ensure!(r.dims4()? == (b, self.c_out, oh, ow), "residual {:?} does not match the output", r.dims());
         }
+        if let Some(s) = shift {
+            ensure!(s.dims2()? == (b, self.c_out), "shift {:?} for {b} images of {} channels", s.dims(), self.c_out);
+        }
         if !on_cpu_f32(x) {
             let x = if upsample { x.upsample_nearest2d(oh, ow)? } else { x.clone() };
-            let y = x.conv2d(&self.weight, self.kernel / 2, 1, 1, 1)?.broadcast_add(&self.bias.reshape((1, (), 1, 1))?)?;
+            let mut y = x.conv2d(&self.weight, self.kernel / 2, 1, 1, 1)?.broadcast_add(&self.bias.reshape((1, (), 1, 1))?)?;
+            if let Some(s) = shift {
+                y = y.broadcast_add(&s.reshape((b, self.c_out, 1, 1))?)?;
+            }
             return Ok(match residual {
                 Some(r) => (y + r)?,
                 None => y,
@@ -103,6 +115,14 @@ impl Conv2d {
         let (wg, wl) = self.weight.storage_and_layout();
         let (bg, bl) = self.bias.storage_and_layout();
         let (src, weight, bias) = (values(&xg, xl)?, values(&wg, wl)?, values(&bg, bl)?);
+        // With a shift, each image starts from its own bias: the layer's plus its shift.
+        let biases = match shift {
+            Some(s) => {
+                let s = s.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                s.iter().flat_map(|row| row.iter().zip(bias).map(|(s, b)| s + b)).collect()
+            }
+            None => Vec::new(),
+        };
         let rg = residual.as_ref().map(|r| r.storage_and_layout());
         let residual = match &rg {
             Some((g, l)) => Some(values(g, l)?),
@@ -113,7 +133,7 @@ impl Conv2d {
         for (i, dst) in out.chunks_exact_mut(out_size).enumerate() {
             let image = ConvImage {
                 weight,
-                bias,
+                bias: if biases.is_empty() { bias } else { &biases[i * self.c_out..(i + 1) * self.c_out] },
                 c_in: self.c_in,
                 c_out: self.c_out,
                 src: &src[i * in_size..(i + 1) * in_size],
@@ -495,12 +515,12 @@ pub(super) fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use candle_core::Device;
     use std::collections::HashMap;
 
-    fn random(shape: &[usize], seed: u64) -> Tensor {
+    pub(in crate::diffusion) fn random(shape: &[usize], seed: u64) -> Tensor {
         // A small LCG: the test needs varied values, not good randomness.
         let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let n = shape.iter().product();
@@ -513,13 +533,13 @@ mod tests {
         Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
     }
 
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    pub(in crate::diffusion) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         assert_eq!(a.dims(), b.dims());
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
     }
 
     /// A layer's weights in F32 (tern's kernels) and in F64 (candle's ops, the reference).
-    fn both(tensors: HashMap<String, Tensor>) -> (VarBuilder<'static>, VarBuilder<'static>) {
+    pub(in crate::diffusion) fn both(tensors: HashMap<String, Tensor>) -> (VarBuilder<'static>, VarBuilder<'static>) {
         let f64s = tensors.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::F64).unwrap())).collect();
         (VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu), VarBuilder::from_tensors(f64s, DType::F64, &Device::Cpu))
     }

@@ -10,6 +10,7 @@ mod layers;
 pub mod offload;
 pub mod pipeline;
 pub mod scheduler;
+mod transformer;
 mod unet;
 mod vae;
 
