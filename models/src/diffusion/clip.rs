@@ -6,10 +6,14 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, IndexOp, Module, Tensor};
-use candle_nn::{embedding, layer_norm, linear, linear_no_bias, Embedding, LayerNorm, Linear, VarBuilder};
+use candle_nn::{embedding, Embedding, VarBuilder};
+use rayon::prelude::*;
 use serde_json::{json, Value};
+use tern_kernels::cpu_kernels;
 
 use super::config::{read_json, ClipConfig};
+use super::layers::on_cpu_f32;
+use super::transformer::{attention, LayerNorm, Linear};
 
 /// CLIP's BPE tokenizer, built from a folder's `vocab.json` and `merges.txt` as transformers'
 /// `CLIPTokenizerFast` builds it (lowercase, whitespace collapsed, CLIP's word split, bytes as
@@ -96,7 +100,7 @@ struct Attention {
 }
 
 impl Attention {
-    fn forward(&self, xs: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, xs: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let (b, t, c) = xs.dims3()?;
         let d = c / self.heads;
         let split = |x: Tensor| x.reshape((b, t, self.heads, d))?.transpose(1, 2)?.contiguous();
@@ -117,14 +121,36 @@ struct Layer {
     fc1: Linear,
     fc2: Linear,
     quick_gelu: bool,
+    width: usize,
 }
 
 impl Layer {
-    fn forward(&self, xs: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, xs: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let xs = (xs + self.attention.forward(&self.norm1.forward(xs)?, mask)?)?;
         let h = self.fc1.forward(&self.norm2.forward(&xs)?)?;
         let h = if self.quick_gelu { (&h * candle_nn::ops::sigmoid(&(&h * 1.702)?)?)? } else { h.gelu_erf()? };
-        xs + self.fc2.forward(&h)?
+        Ok((xs + self.fc2.forward(&h)?)?)
+    }
+
+    /// [`Layer::forward`] on tern's CPU kernels: `x` is `b` sequences' rows, attending causally.
+    fn rows(&self, x: &[f32], b: usize) -> Result<Vec<f32>> {
+        let a = &self.attention;
+        let h = self.norm1.rows(x)?;
+        let (q, k, v) = (a.q.rows(&h, None)?, a.k.rows(&h, None)?, a.v.rows(&h, None)?);
+        let mixed = attention(&q, &k, &v, b, self.width, a.heads, true);
+        drop((h, q, k, v));
+        let x = a.out.rows(&mixed, Some(x))?;
+        let mut h = self.fc1.rows(&self.norm2.rows(&x)?, None)?;
+        h.par_chunks_mut(16 * 1024).for_each(|chunk| {
+            if self.quick_gelu {
+                // x * sigmoid(1.702 x), as transformers' quick_gelu (libm's exp: 77 rows cost
+                // little, and the reference's sigmoid is exact).
+                chunk.iter_mut().for_each(|v| *v /= 1.0 + (-1.702 * *v).exp());
+            } else {
+                cpu_kernels::gelu_erf_in_place(chunk);
+            }
+        });
+        self.fc2.rows(&h, Some(&x))
     }
 }
 
@@ -154,7 +180,7 @@ impl ClipTextModel {
     pub fn load(vb: VarBuilder, config: &ClipConfig) -> Result<ClipTextModel> {
         let projection = if vb.contains_tensor("text_projection.weight") {
             let dim = config.projection_dim.unwrap_or(config.hidden_size);
-            Some(linear_no_bias(config.hidden_size, dim, vb.pp("text_projection"))?)
+            Some(Linear::load(vb.pp("text_projection"), config.hidden_size, dim, false)?)
         } else {
             None
         };
@@ -169,21 +195,22 @@ impl ClipTextModel {
             let l = vb.pp(format!("encoder.layers.{i}"));
             let a = l.pp("self_attn");
             layers.push(Layer {
-                norm1: layer_norm(h, eps, l.pp("layer_norm1"))?,
+                norm1: LayerNorm::load(l.pp("layer_norm1"), h, eps)?,
                 attention: Attention {
-                    q: linear(h, h, a.pp("q_proj"))?,
-                    k: linear(h, h, a.pp("k_proj"))?,
-                    v: linear(h, h, a.pp("v_proj"))?,
-                    out: linear(h, h, a.pp("out_proj"))?,
+                    q: Linear::load(a.pp("q_proj"), h, h, true)?,
+                    k: Linear::load(a.pp("k_proj"), h, h, true)?,
+                    v: Linear::load(a.pp("v_proj"), h, h, true)?,
+                    out: Linear::load(a.pp("out_proj"), h, h, true)?,
                     heads: config.num_attention_heads,
                 },
-                norm2: layer_norm(h, eps, l.pp("layer_norm2"))?,
-                fc1: linear(h, config.intermediate_size, l.pp("mlp.fc1"))?,
-                fc2: linear(config.intermediate_size, h, l.pp("mlp.fc2"))?,
+                norm2: LayerNorm::load(l.pp("layer_norm2"), h, eps)?,
+                fc1: Linear::load(l.pp("mlp.fc1"), h, config.intermediate_size, true)?,
+                fc2: Linear::load(l.pp("mlp.fc2"), config.intermediate_size, h, true)?,
                 quick_gelu: config.hidden_act == "quick_gelu",
+                width: h,
             });
         }
-        let final_norm = layer_norm(h, eps, vb.pp("final_layer_norm"))?;
+        let final_norm = LayerNorm::load(vb.pp("final_layer_norm"), h, eps)?;
         Ok(ClipTextModel { token_embedding, position_embedding, layers, final_norm, projection, argmax_pooling: config.eos_token_id == 2 })
     }
 
@@ -196,18 +223,39 @@ impl ClipTextModel {
         let input = Tensor::from_vec(flat, (b, t), device)?;
         let positions = Tensor::arange(0u32, t as u32, device)?;
         let mut xs = self.token_embedding.forward(&input)?.broadcast_add(&self.position_embedding.forward(&positions)?)?;
-        let mask: Vec<f32> = (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::MIN } else { 0.0 })).collect();
-        let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(xs.dtype())?;
-        let mut chosen = None;
-        for (i, layer) in self.layers.iter().enumerate() {
-            if hidden_layer == Some(i) {
-                chosen = Some(xs.clone());
+        // Without a projection, the layers past the one read change nothing the pipeline uses
+        // (SDXL's first encoder reads the states before its last layer).
+        let needed = match (hidden_layer, &self.projection) {
+            (Some(k), None) => k.min(self.layers.len()),
+            _ => self.layers.len(),
+        };
+        let mut chosen = (hidden_layer == Some(0)).then(|| xs.clone());
+        if on_cpu_f32(&xs) {
+            let shape = xs.shape().clone();
+            let mut rows = xs.flatten_all()?.to_vec1::<f32>()?;
+            for (i, layer) in self.layers[..needed].iter().enumerate() {
+                rows = layer.rows(&rows, b)?;
+                if hidden_layer == Some(i + 1) {
+                    chosen = Some(Tensor::from_slice(&rows, &shape, device)?);
+                }
             }
-            xs = layer.forward(&xs, &mask)?;
+            xs = Tensor::from_vec(rows, shape, device)?;
+        } else {
+            let mask: Vec<f32> = (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::MIN } else { 0.0 })).collect();
+            let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(xs.dtype())?;
+            for (i, layer) in self.layers[..needed].iter().enumerate() {
+                xs = layer.forward(&xs, &mask)?;
+                if hidden_layer == Some(i + 1) {
+                    chosen = Some(xs.clone());
+                }
+            }
         }
-        let last = self.final_norm.forward(&xs)?;
+        let last = match (hidden_layer, &self.projection) {
+            (Some(_), None) => None,
+            _ => Some(self.final_norm.forward(&xs)?),
+        };
         let hidden = match hidden_layer {
-            None => last.clone(),
+            None => last.clone().expect("normed when no layer is chosen"),
             Some(k) if k >= self.layers.len() => xs.clone(),
             Some(_) => chosen.expect("set in the loop"),
         };
@@ -225,7 +273,7 @@ impl ClipTextModel {
                         } else {
                             row.iter().position(|&x| x == eos).unwrap_or(row.len() - 1)
                         };
-                        last.i((r, at))
+                        last.as_ref().expect("normed for the projection").i((r, at))
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 Some(projection.forward(&Tensor::stack(&rows, 0)?)?)

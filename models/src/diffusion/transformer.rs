@@ -31,6 +31,9 @@ const GROUP_NORM_EPS: f64 = 1e-6;
 /// Queries one attention task scores at once: 128 x 4096 keys of scores is 2 MB.
 const QUERIES_PER_TASK: usize = 128;
 
+/// Below this many rows a linear layer splits its output columns between the threads itself.
+const FEW_ROWS: usize = 128;
+
 /// Values one row-wise task (layer norm, GEGLU) covers: enough to amortise the hand-off.
 const VALUES_PER_TASK: usize = 32 * 1024;
 
@@ -51,7 +54,7 @@ fn all_threads() -> Parallelism {
 /// product as its transpose, where `Wᵀ` is the left operand, and a column-major left operand
 /// is packed by plain copies instead of a transposing gather on every call (a tenth of SDXL's
 /// step went to that gather).
-struct Linear {
+pub(super) struct Linear {
     /// `(out, in)`, or `(in, out)` where `transposed`.
     weight: Tensor,
     transposed: bool,
@@ -61,19 +64,19 @@ struct Linear {
 }
 
 impl Linear {
-    fn load(vb: VarBuilder, c_in: usize, c_out: usize, bias: bool) -> Result<Linear> {
+    pub(super) fn load(vb: VarBuilder, c_in: usize, c_out: usize, bias: bool) -> Result<Linear> {
         let weight = match vb.get((c_out, c_in), "weight") {
             Ok(w) => w,
             Err(_) => vb.get((c_out, c_in, 1, 1), "weight")?.reshape((c_out, c_in))?,
         };
         let bias = if bias { Some(vb.get(c_out, "bias")?) } else { None };
         let transposed = on_cpu_f32(&weight);
-        let weight = if transposed { weight.t()?.contiguous()? } else { weight.contiguous()? };
+        let weight = if transposed { transpose(&weight.contiguous()?)? } else { weight.contiguous()? };
         Ok(Linear { weight, transposed, bias, c_in, c_out })
     }
 
     /// candle's ops: `x` `(..., c_in)` to `(..., c_out)`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w_t = if self.transposed { self.weight.clone() } else { self.weight.t()? };
         let y = x.broadcast_matmul(&w_t)?;
         Ok(match &self.bias {
@@ -84,7 +87,7 @@ impl Linear {
 
     /// `x` (rows of `c_in`) times `Wᵀ`, plus the bias and `residual` (rows of `c_out`) when
     /// given, on every core.
-    fn rows(&self, x: &[f32], residual: Option<&[f32]>) -> Result<Vec<f32>> {
+    pub(super) fn rows(&self, x: &[f32], residual: Option<&[f32]>) -> Result<Vec<f32>> {
         let rows = x.len() / self.c_in;
         ensure!(rows * self.c_in == x.len(), "{} values are not rows of {}", x.len(), self.c_in);
         let mut out = vec![0f32; rows * self.c_out];
@@ -114,45 +117,90 @@ impl Linear {
         if let Some(r) = residual {
             ensure!(r.len() == out.len(), "a residual of {} values for {} outputs", r.len(), out.len());
         }
-        // SAFETY: `out` is rows x c_out, `x` rows x c_in, `weight` Wᵀ, c_in x c_out.
-        unsafe {
-            gemm::gemm(
-                rows, n, self.c_in,
-                out.as_mut_ptr(), 1, n as isize, bias.is_some() || residual.is_some(),
-                x.as_ptr(), 1, self.c_in as isize,
-                weight.as_ptr(), 1, n as isize,
-                1.0, 1.0, false, false, false, all_threads(),
-            );
+        let read_dst = bias.is_some() || residual.is_some();
+        if rows >= FEW_ROWS {
+            // SAFETY: `out` is rows x c_out, `x` rows x c_in, `weight` Wᵀ, c_in x c_out.
+            unsafe {
+                gemm::gemm(
+                    rows, n, self.c_in,
+                    out.as_mut_ptr(), 1, n as isize, read_dst,
+                    x.as_ptr(), 1, self.c_in as isize,
+                    weight.as_ptr(), 1, n as isize,
+                    1.0, 1.0, false, false, false, all_threads(),
+                );
+            }
+            return Ok(out);
         }
+        // Few rows (a prompt's 77 tokens): gemm's own threading gives each thread too little
+        // (a 77-row product ran slower on two threads than on one), so each task takes a block
+        // of output columns whole.
+        let block = n.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).min(n);
+        let dst = OutPtr(out.as_mut_ptr());
+        (0..n.div_ceil(block)).into_par_iter().for_each(|t| {
+            let (from, width) = (t * block, block.min(n - t * block));
+            // SAFETY: this task alone writes columns from..from + width of every row of `out`
+            // (rows x n); `weight` (c_in x n) is read from column `from` on.
+            unsafe {
+                gemm::gemm(
+                    rows, width, self.c_in,
+                    dst.at(from), 1, n as isize, read_dst,
+                    x.as_ptr(), 1, self.c_in as isize,
+                    weight.as_ptr().add(from), 1, n as isize,
+                    1.0, 1.0, false, false, false, Parallelism::None,
+                );
+            }
+        });
         Ok(out)
     }
 }
 
+/// `w` `(rows, cols)` (F32, on the CPU) as `(cols, rows)`, in blocks that stay in cache, on
+/// every core: candle's strided copy took a fifth of SDXL's load on one thread.
+fn transpose(w: &Tensor) -> Result<Tensor> {
+    const BLOCK: usize = 64;
+    let (rows, cols) = w.dims2()?;
+    let (g, l) = w.storage_and_layout();
+    let src = values(&g, l)?;
+    let mut out = vec![0f32; rows * cols];
+    out.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(bj, dst)| {
+        let (c0, c1) = (bj * BLOCK, ((bj + 1) * BLOCK).min(cols));
+        for r0 in (0..rows).step_by(BLOCK) {
+            for r in r0..(r0 + BLOCK).min(rows) {
+                for c in c0..c1 {
+                    dst[(c - c0) * rows + r] = src[r * cols + c];
+                }
+            }
+        }
+    });
+    Ok(Tensor::from_vec(out, (cols, rows), w.device())?)
+}
+
 /// A layer norm over rows (PyTorch's `LayerNorm`, affine).
-struct LayerNorm {
+pub(super) struct LayerNorm {
     weight: Tensor,
     bias: Tensor,
+    eps: f64,
 }
 
 impl LayerNorm {
-    fn load(vb: VarBuilder, dim: usize) -> Result<LayerNorm> {
-        Ok(LayerNorm { weight: vb.get(dim, "weight")?, bias: vb.get(dim, "bias")? })
+    pub(super) fn load(vb: VarBuilder, dim: usize, eps: f64) -> Result<LayerNorm> {
+        Ok(LayerNorm { weight: vb.get(dim, "weight")?, bias: vb.get(dim, "bias")?, eps })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.dtype() != DType::F64 {
-            return Ok(candle_nn::ops::layer_norm(x, &self.weight, &self.bias, LAYER_NORM_EPS as f32)?);
+            return Ok(candle_nn::ops::layer_norm(x, &self.weight, &self.bias, self.eps as f32)?);
         }
         // candle's fused layer norm has no F64 kernel; the tests' reference runs in F64.
         let mean = x.mean_keepdim(D::Minus1)?;
         let centred = x.broadcast_sub(&mean)?;
         let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centred.broadcast_div(&(var + LAYER_NORM_EPS)?.sqrt()?)?;
+        let normed = centred.broadcast_div(&(var + self.eps)?.sqrt()?)?;
         Ok(normed.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)?)
     }
 
     /// Each row of `x` normalised, on every core.
-    fn rows(&self, x: &[f32]) -> Result<Vec<f32>> {
+    pub(super) fn rows(&self, x: &[f32]) -> Result<Vec<f32>> {
         let (wg, wl) = self.weight.storage_and_layout();
         let (bg, bl) = self.bias.storage_and_layout();
         let (gamma, beta) = (values(&wg, wl)?, values(&bg, bl)?);
@@ -161,7 +209,7 @@ impl LayerNorm {
         let task = rows_per_task(n) * n;
         out.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(dst, src)| {
             for (d, s) in dst.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
-                cpu_kernels::layer_norm(d, s, gamma, beta, LAYER_NORM_EPS as f32);
+                cpu_kernels::layer_norm(d, s, gamma, beta, self.eps as f32);
             }
         });
         Ok(out)
@@ -212,16 +260,18 @@ impl Attention {
         let q = self.to_q.rows(x, None)?;
         let context = context.unwrap_or(x);
         let (k, v) = (self.to_k.rows(context, None)?, self.to_v.rows(context, None)?);
-        let mixed = attention(&q, &k, &v, b, self.to_q.c_out, self.heads);
+        let mixed = attention(&q, &k, &v, b, self.to_q.c_out, self.heads, false);
         drop((q, k, v));
         self.to_out.rows(&mixed, Some(residual))
     }
 }
 
-/// Softmax attention of `b` images' queries `q` (rows of `dim`, heads side by side) over their
-/// own keys `k` and values `v` (rows of `dim`, as many per image as `k.len() / b / dim`),
-/// scaled by `1/√head_dim`: one task per (image, head, block of queries), its scores in cache.
-fn attention(q: &[f32], k: &[f32], v: &[f32], b: usize, dim: usize, heads: usize) -> Vec<f32> {
+/// Softmax attention of `b` sequences' queries `q` (rows of `dim`, heads side by side) over their
+/// own keys `k` and values `v` (rows of `dim`, as many per sequence as `k.len() / b / dim`),
+/// scaled by `1/√head_dim`: one task per (sequence, head, block of queries), its scores in
+/// cache. `causal`: query `i` weighs keys `0..=i` only (CLIP's text encoder), the others get
+/// weight 0 exactly, as the reference's additive mask of the dtype's minimum gives them.
+pub(super) fn attention(q: &[f32], k: &[f32], v: &[f32], b: usize, dim: usize, heads: usize, causal: bool) -> Vec<f32> {
     let (n, m, hd) = (q.len() / b / dim, k.len() / b / dim, dim / heads);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; q.len()];
@@ -248,8 +298,14 @@ fn attention(q: &[f32], k: &[f32], v: &[f32], b: usize, dim: usize, heads: usize
                     0.0, scale, false, false, false, Parallelism::None,
                 );
             }
-            for row in scores.chunks_exact_mut(m) {
-                cpu_kernels::softmax_in_place(row);
+            for (i, row) in scores.chunks_exact_mut(m).enumerate() {
+                if causal {
+                    let (seen, unseen) = row.split_at_mut((from + i + 1).min(m));
+                    cpu_kernels::softmax_in_place(seen);
+                    unseen.fill(0.0);
+                } else {
+                    cpu_kernels::softmax_in_place(row);
+                }
             }
             // SAFETY: as above.
             unsafe {
@@ -323,11 +379,11 @@ struct Block {
 impl Block {
     fn load(vb: VarBuilder, dim: usize, context_dim: usize, heads: usize) -> Result<Block> {
         Ok(Block {
-            norm1: LayerNorm::load(vb.pp("norm1"), dim)?,
+            norm1: LayerNorm::load(vb.pp("norm1"), dim, LAYER_NORM_EPS)?,
             attn1: Attention::load(vb.pp("attn1"), dim, dim, heads)?,
-            norm2: LayerNorm::load(vb.pp("norm2"), dim)?,
+            norm2: LayerNorm::load(vb.pp("norm2"), dim, LAYER_NORM_EPS)?,
             attn2: Attention::load(vb.pp("attn2"), dim, context_dim, heads)?,
-            norm3: LayerNorm::load(vb.pp("norm3"), dim)?,
+            norm3: LayerNorm::load(vb.pp("norm3"), dim, LAYER_NORM_EPS)?,
             ff: FeedForward::load(vb.pp("ff"), dim)?,
         })
     }
