@@ -182,7 +182,7 @@ impl UNetConfig {
         let cross_attention_dim = j.cross_attention_dim.get(0);
         ensure!((0..n).all(|i| j.cross_attention_dim.get(i) == cross_attention_dim), "{where_}: per-block cross_attention_dim is not supported");
         // diffusers reads `attention_head_dim` as the number of heads when `num_attention_heads`
-        // is unset (a naming slip it keeps for compatibility); candle's blocks take heads too.
+        // is unset (a naming slip it keeps for compatibility); tern's blocks take heads too.
         let heads = j.num_attention_heads.clone().or(j.attention_head_dim.clone()).unwrap_or(PerBlock::One(8));
         let layers = j.transformer_layers_per_block.clone().unwrap_or(PerBlock::One(1));
         let mut blocks = Vec::with_capacity(n);

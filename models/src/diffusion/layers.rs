@@ -1,4 +1,4 @@
-//! The VAE decoder's layers, computed as diffusers computes them: 3x3 and 1x1 convolutions
+//! The VAE decoder's and the UNet's layers, computed as diffusers computes them: 3x3 and 1x1 convolutions
 //! (stride 1, "same" padding, optionally over a nearest-neighbour 2x upsampling of the input),
 //! group norm with the SiLU that follows it fused in, and single-head self-attention over an
 //! image's pixels. F32 tensors on the CPU run tern's kernels; anything else (CUDA, other
