@@ -98,7 +98,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 }
 
 /// Rows per parallel task for row-wise ops over rows of `n` values.
-fn rows_per_task(n: usize) -> usize {
+pub fn rows_per_task(n: usize) -> usize {
     (CHUNK / n.max(1)).max(1)
 }
 

@@ -18,7 +18,7 @@ use candle_nn::VarBuilder;
 use gemm::Parallelism;
 use rayon::prelude::*;
 use tern_kernels::cpu_kernels;
-use tern_kernels::cpu_ops::OutPtr;
+use tern_kernels::cpu_ops::{rows_per_task, OutPtr};
 
 use super::layers::{on_cpu_f32, values, GroupNorm};
 
@@ -33,14 +33,6 @@ const QUERIES_PER_TASK: usize = 128;
 
 /// Below this many rows a linear layer splits its output columns between the threads itself.
 const FEW_ROWS: usize = 128;
-
-/// Values one row-wise task (layer norm, GEGLU) covers: enough to amortise the hand-off.
-const VALUES_PER_TASK: usize = 32 * 1024;
-
-/// Rows per row-wise task for rows of `n` values.
-fn rows_per_task(n: usize) -> usize {
-    (VALUES_PER_TASK / n.max(1)).max(1)
-}
 
 /// The gemm parallelism of one large product: every thread of the pool.
 fn all_threads() -> Parallelism {
@@ -91,14 +83,28 @@ impl Linear {
         let rows = x.len() / self.c_in;
         ensure!(rows * self.c_in == x.len(), "{} values are not rows of {}", x.len(), self.c_in);
         let mut out = vec![0f32; rows * self.c_out];
+        if let Some(r) = residual {
+            ensure!(r.len() == out.len(), "a residual of {} values for {} outputs", r.len(), out.len());
+        }
+        self.with_values(|weight, bias| self.rows_into(x, rows, weight, bias, residual, &mut out))?;
+        Ok(out)
+    }
+
+    /// Runs `f` on the weights (`Wᵀ`, `(c_in, c_out)`) and bias values of a layer kept for the
+    /// CPU kernels.
+    fn with_values<R>(&self, f: impl FnOnce(&[f32], Option<&[f32]>) -> R) -> Result<R> {
         ensure!(self.transposed, "a linear layer's CPU kernel needs its weights transposed");
         let (wg, wl) = self.weight.storage_and_layout();
-        let weight = values(&wg, wl)?;
         let bg = self.bias.as_ref().map(|b| b.storage_and_layout());
         let bias = match &bg {
             Some((g, l)) => Some(values(g, l)?),
             None => None,
         };
+        Ok(f(values(&wg, wl)?, bias))
+    }
+
+    /// [`Linear::rows`] into `out` (rows x c_out).
+    fn rows_into(&self, x: &[f32], rows: usize, weight: &[f32], bias: Option<&[f32]>, residual: Option<&[f32]>, out: &mut [f32]) {
         let n = self.c_out;
         if bias.is_some() || residual.is_some() {
             let task = rows_per_task(n) * n;
@@ -114,9 +120,6 @@ impl Linear {
                 }
             });
         }
-        if let Some(r) = residual {
-            ensure!(r.len() == out.len(), "a residual of {} values for {} outputs", r.len(), out.len());
-        }
         let read_dst = bias.is_some() || residual.is_some();
         if rows >= FEW_ROWS {
             // SAFETY: `out` is rows x c_out, `x` rows x c_in, `weight` Wᵀ, c_in x c_out.
@@ -129,7 +132,7 @@ impl Linear {
                     1.0, 1.0, false, false, false, all_threads(),
                 );
             }
-            return Ok(out);
+            return;
         }
         // Few rows (a prompt's 77 tokens): gemm's own threading gives each thread too little
         // (a 77-row product ran slower on two threads than on one), so each task takes a block
@@ -150,7 +153,6 @@ impl Linear {
                 );
             }
         });
-        Ok(out)
     }
 }
 
@@ -464,27 +466,25 @@ impl Transformer2D {
     /// `proj_in` of each image's pixels `(c, n)` read as `n` tokens of `c`: `(b * n, c)` rows.
     fn pixels_to_tokens(&self, pixels: &[f32], b: usize, n: usize) -> Result<Vec<f32>> {
         let c = self.channels;
-        ensure!(self.proj_in.transposed, "proj_in's CPU kernel needs its weights transposed");
-        let (wg, wl) = self.proj_in.weight.storage_and_layout();
-        let bias = self.proj_in.bias.as_ref().expect("proj_in has a bias");
-        let (bg, bl) = bias.storage_and_layout();
-        let (weight, bias) = (values(&wg, wl)?, values(&bg, bl)?);
         let mut out = vec![0f32; b * n * c];
-        out.par_chunks_mut(c).for_each(|row| row.copy_from_slice(bias));
-        for i in 0..b {
-            // SAFETY: image i's pixels are c x n (channel-major) at i * c * n, read as n x c
-            // through their strides; its tokens are the n x c rows at i * n * c; `weight` is
-            // Wᵀ, c x c.
-            unsafe {
-                gemm::gemm(
-                    n, c, c,
-                    out.as_mut_ptr().add(i * n * c), 1, c as isize, true,
-                    pixels.as_ptr().add(i * c * n), n as isize, 1,
-                    weight.as_ptr(), 1, c as isize,
-                    1.0, 1.0, false, false, false, all_threads(),
-                );
+        self.proj_in.with_values(|weight, bias| {
+            let bias = bias.expect("proj_in has a bias");
+            out.par_chunks_mut(c).for_each(|row| row.copy_from_slice(bias));
+            for i in 0..b {
+                // SAFETY: image i's pixels are c x n (channel-major) at i * c * n, read as n x c
+                // through their strides; its tokens are the n x c rows at i * n * c; `weight` is
+                // Wᵀ, c x c.
+                unsafe {
+                    gemm::gemm(
+                        n, c, c,
+                        out.as_mut_ptr().add(i * n * c), 1, c as isize, true,
+                        pixels.as_ptr().add(i * c * n), n as isize, 1,
+                        weight.as_ptr(), 1, c as isize,
+                        1.0, 1.0, false, false, false, all_threads(),
+                    );
+                }
             }
-        }
+        })?;
         Ok(out)
     }
 
@@ -492,30 +492,28 @@ impl Transformer2D {
     /// (the block's input, NCHW).
     fn tokens_to_pixels(&self, tokens: &[f32], residual: &[f32], b: usize, n: usize) -> Result<Vec<f32>> {
         let c = self.channels;
-        ensure!(self.proj_out.transposed, "proj_out's CPU kernel needs its weights transposed");
-        let (wg, wl) = self.proj_out.weight.storage_and_layout();
-        let bias = self.proj_out.bias.as_ref().expect("proj_out has a bias");
-        let (bg, bl) = bias.storage_and_layout();
-        let (weight, bias) = (values(&wg, wl)?, values(&bg, bl)?);
         let mut out = vec![0f32; b * c * n];
-        out.par_chunks_mut(n).zip(residual.par_chunks(n)).enumerate().for_each(|(row, (dst, r))| {
-            let bias = bias[row % c];
-            dst.iter_mut().zip(r).for_each(|(d, r)| *d = r + bias);
-        });
-        for i in 0..b {
-            // SAFETY: image i's output is c x n at i * c * n; `weight` is Wᵀ (c x c), read as
-            // W through its strides; its tokens are the n x c rows at i * n * c, read as their
-            // transpose (c x n).
-            unsafe {
-                gemm::gemm(
-                    c, n, c,
-                    out.as_mut_ptr().add(i * c * n), 1, n as isize, true,
-                    weight.as_ptr(), c as isize, 1,
-                    tokens.as_ptr().add(i * n * c), c as isize, 1,
-                    1.0, 1.0, false, false, false, all_threads(),
-                );
+        self.proj_out.with_values(|weight, bias| {
+            let bias = bias.expect("proj_out has a bias");
+            out.par_chunks_mut(n).zip(residual.par_chunks(n)).enumerate().for_each(|(row, (dst, r))| {
+                let bias = bias[row % c];
+                dst.iter_mut().zip(r).for_each(|(d, r)| *d = r + bias);
+            });
+            for i in 0..b {
+                // SAFETY: image i's output is c x n at i * c * n; `weight` is Wᵀ (c x c), read as
+                // W through its strides; its tokens are the n x c rows at i * n * c, read as their
+                // transpose (c x n).
+                unsafe {
+                    gemm::gemm(
+                        c, n, c,
+                        out.as_mut_ptr().add(i * c * n), 1, n as isize, true,
+                        weight.as_ptr(), c as isize, 1,
+                        tokens.as_ptr().add(i * n * c), c as isize, 1,
+                        1.0, 1.0, false, false, false, all_threads(),
+                    );
+                }
             }
-        }
+        })?;
         Ok(out)
     }
 }
