@@ -60,6 +60,12 @@ pub trait Family: Send + Sync + 'static {
     /// The worker setting fixing its batch budget, in its unit (`TERN_TRANSCRIBE_BATCH_WINDOWS`);
     /// unset, the budget follows [`Family::budget`].
     fn budget_setting(&self) -> Setting;
+    /// Further settings its models read from the environment when they load
+    /// (`TERN_IMAGE_MEMORY`): the worker lists each in `--help` as a flag, and a flag given sets
+    /// its variable before the worker starts its threads. None by default.
+    fn load_settings(&self) -> &'static [Setting] {
+        &[]
+    }
     /// What a hub model `hf:REPO[/FILE]` downloads: (file in the repository, name in the local
     /// folder). An error where the family needs a file named and none is.
     fn hub_files(&self, repo: &str, file: Option<&str>) -> Result<Vec<(String, &'static str)>>;

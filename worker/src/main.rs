@@ -208,14 +208,17 @@ fn default_worker_id() -> String {
 }
 
 fn main() -> anyhow::Result<()> {
-    // Both change process-wide settings, so they run before the runtime starts its threads.
+    let matches = family_settings::declare(Cli::command()).get_matches();
+    // These change process-wide settings, so they run before the runtime starts its threads.
+    for (variable, value) in family_settings::load_settings_from_flags(&matches) {
+        std::env::set_var(variable, value);
+    }
     tern_models::allocator::keep_freed_memory();
     tern_models::cpu_threads::settle_thread_count();
-    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run())
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(matches))
 }
 
-async fn run() -> anyhow::Result<()> {
-    let matches = family_settings::declare(Cli::command()).get_matches();
+async fn run(matches: clap::ArgMatches) -> anyhow::Result<()> {
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let (defaults, configured_budgets) = family_settings::read(&matches);
     tern_jobs::logging::init(&cli.services.log);

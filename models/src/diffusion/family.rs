@@ -84,6 +84,23 @@ impl Family for DiffusionFamily {
         }
     }
 
+    fn load_settings(&self) -> &'static [Setting] {
+        &[
+            Setting {
+                flag: "image-memory",
+                env: "TERN_IMAGE_MEMORY",
+                default: Some("auto"),
+                help: "Where the image model's text encoders and VAE decoder wait between their steps: `auto` keeps them on the device beside the UNet while the memory free holds a batch, else in host memory, moved to the device for their step; `resident` or `offloaded` fix it",
+            },
+            Setting {
+                flag: "vae-tiling",
+                env: "TERN_VAE_TILING",
+                default: Some("auto"),
+                help: "`auto` decodes an image whole where its working memory fits and in diffusers' overlapping tiles where it does not; `always` tiles every decode (less memory; tiles blend at their seams, so pixels differ slightly from a whole decode)",
+            },
+        ]
+    }
+
     /// A diffusers repository (`hf:stabilityai/sd-turbo`); a repository whose name says `xl`
     /// also gets the second text encoder.
     fn hub_files(&self, repo: &str, _file: Option<&str>) -> Result<Vec<(String, &'static str)>> {
@@ -114,7 +131,11 @@ impl Family for DiffusionFamily {
     fn load(&self, dir: &Path, settings: &LoadSettings) -> Result<Box<dyn FamilyModel>> {
         let policy = MemoryPolicy::from_env()?;
         let mut model = StableDiffusion::load(dir, &settings.device, dtype(settings))?;
-        model.tile_vae = std::env::var("TERN_VAE_TILING").is_ok_and(|v| v == "always");
+        model.tile_vae = match std::env::var("TERN_VAE_TILING").as_deref() {
+            Err(_) | Ok("" | "auto") => false,
+            Ok("always") => true,
+            Ok(other) => anyhow::bail!("TERN_VAE_TILING must be auto or always, not {other:?}"),
+        };
         model.memory_policy = policy;
         if let MemoryPolicy::Fixed(state) = policy {
             model.set_memory_state(state)?;
