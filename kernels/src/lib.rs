@@ -8,6 +8,8 @@
 //!   pass, bias + GELU in one pass), run on both cores.
 //! - [`bf16_gemm`]: BF16 products with F32 sums on CPUs with AVX-512 BF16 (a 12x32 kernel) or
 //!   Intel's AMX tiles, over weights packed once, and the attention built on them.
+//! - [`f32_linear`]: F32 products with weights kept transposed (bias and residual in the
+//!   product's pass) and attention over plain slices, per block of queries.
 //! - [`self_attention`]: fused multi-head self-attention over each sequence's own rows (no
 //!   padding is computed), in F32 or BF16 products.
 //! - [`quantized`]: products of GGML Q4_0 / Q4_1 / Q8_0 weight blocks with activations as
@@ -19,5 +21,6 @@
 pub mod bf16_gemm;
 pub mod cpu_kernels;
 pub mod cpu_ops;
+pub mod f32_linear;
 pub mod quantized;
 pub mod self_attention;

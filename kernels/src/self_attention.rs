@@ -5,7 +5,6 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::bf16_gemm::{self, PackedB};
-use crate::cpu_kernels;
 use crate::cpu_ops::{contiguous_f32, OutPtr};
 
 /// Softmax attention of `q`, `k`, `v` (f32 on the CPU), each `(batch, len, heads * head_dim)`,
@@ -59,8 +58,9 @@ pub fn self_attention_spans(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, sp
 /// softmax: ~50 MB per layer for 16 short windows) and copy `q`, `k` and `v` into per-head
 /// layouts; the fresh pages and the memory traffic cost about a fifth of Whisper's encoder at
 /// batch 16.
-/// Here each (sequence, head) pair runs on one core with its scores in a buffer that stays in
-/// cache, and gemm reads the heads in place through strides.
+/// Here each (sequence, head, block of queries) runs on one core with its scores in a buffer
+/// that stays in cache ([`crate::f32_linear::attend_spans_f32`]), and gemm reads the heads in
+/// place through strides.
 struct SelfAttention {
     heads: usize,
     spans: Vec<(usize, usize)>,
@@ -137,50 +137,13 @@ impl CustomOp3 for SelfAttention {
         if self.spans.iter().any(|&(from, n)| n == 0 || from + n > rows) {
             candle_core::bail!("self-attention: sequences {:?} over {rows} rows", self.spans);
         }
-        let (h, hd) = (self.heads, d / self.heads);
+        let h = self.heads;
         let mut out = vec![0f32; q.len()];
-        let dst = OutPtr(out.as_mut_ptr());
-        let d_s = d as isize;
         if self.bf16 {
             attend_spans_bf16(q, k, v, d, h, &self.spans, &mut out);
             return Ok((CpuStorage::F32(out), ql.shape().clone()));
         }
-        let longest = self.spans.iter().map(|&(_, n)| n).max().unwrap_or(0);
-        (0..self.spans.len() * h).into_par_iter().for_each_init(
-            || vec![0f32; longest * longest],
-            |scores, pair| {
-                let (from, n) = self.spans[pair / h];
-                let n_s = n as isize;
-                // Head `hi` of sequence `si`: `n` rows from row `from`, columns `hi * hd ..`
-                // with row stride d.
-                let base = from * d + (pair % h) * hd;
-                // SAFETY: every pointer and stride stays inside its buffer: q/k/v/out hold
-                // `rows * d` elements and a head spans rows `from..from + n <= rows` and
-                // columns `hi * hd..(hi + 1) * hd`; `scores` holds `longest² >= n * n`.
-                unsafe {
-                    // scores (n x n) = q_head (n x hd) . k_headᵀ (hd x n)
-                    gemm::gemm(
-                        n, n, hd, scores.as_mut_ptr(), 1, n_s, false,
-                        q.as_ptr().add(base), 1, d_s,
-                        k.as_ptr().add(base), d_s, 1,
-                        0.0, 1.0, false, false, false, gemm::Parallelism::None,
-                    );
-                }
-                for row in scores[..n * n].chunks_exact_mut(n) {
-                    cpu_kernels::softmax_in_place(row);
-                }
-                // SAFETY: as above; this task alone writes this head's block of `out`.
-                unsafe {
-                    // out_head (n x hd) = scores (n x n) . v_head (n x hd)
-                    gemm::gemm(
-                        n, hd, n, dst.at(base), 1, d_s, false,
-                        scores.as_ptr(), 1, n_s,
-                        v.as_ptr().add(base), 1, d_s,
-                        0.0, 1.0, false, false, false, gemm::Parallelism::None,
-                    );
-                }
-            },
-        );
+        crate::f32_linear::attend_spans_f32(q, k, v, d, h, &self.spans, &mut out);
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
 }

@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use tern_kernels::bf16_gemm::Bf16Linear;
 use tern_kernels::cpu_kernels;
+use tern_kernels::f32_linear::{self, Residual};
 
 /// A linear layer `x Wᵀ + b` (weights `(d_out, d_in)` as PyTorch stores them) that stays fast
 /// for the few rows of a decoding step or of one short text.
@@ -22,6 +23,53 @@ pub(crate) struct Linear {
 enum Weight {
     F32(Tensor),
     Bf16(Bf16Linear),
+    /// F32 on the CPU with the weights kept transposed for many-row products
+    /// ([`tern_kernels::f32_linear`]).
+    Transposed(TransposedF32),
+}
+
+/// A layer's F32 weights as `Wᵀ` (`d_in x d_out`, row-major) and its bias, on the CPU.
+pub(crate) struct TransposedF32 {
+    pub w_t: Vec<f32>,
+    pub d_in: usize,
+    pub d_out: usize,
+    pub bias: Option<Vec<f32>>,
+}
+
+impl TransposedF32 {
+    /// `weight` `(d_out, d_in)` and `bias` kept transposed, where they are F32 on the CPU;
+    /// `None` elsewhere.
+    pub(crate) fn new(weight: &Tensor, bias: Option<&Tensor>) -> Result<Option<TransposedF32>> {
+        if !weight.device().is_cpu() || weight.dtype() != candle_core::DType::F32 {
+            return Ok(None);
+        }
+        let (d_out, d_in) = weight.dims2()?;
+        let w_t = f32_linear::transposed(&weight.flatten_all()?.to_vec1::<f32>()?, d_out, d_in);
+        let bias = bias.map(|b| b.to_vec1::<f32>()).transpose()?;
+        Ok(Some(TransposedF32 { w_t, d_in, d_out, bias }))
+    }
+
+    /// `x` (rows of `d_in`) times `W`, plus the bias and `residual`, into `out` (rows of
+    /// `d_out`); `with_bias` false leaves the bias out.
+    pub(crate) fn rows_into(&self, x: &[f32], with_bias: bool, residual: Residual, out: &mut [f32]) {
+        let bias = self.bias.as_deref().filter(|_| with_bias);
+        f32_linear::rows_times_transposed(x, self.d_in, &self.w_t, self.d_out, bias, residual, out);
+    }
+
+    fn forward(&self, x: &Tensor, with_bias: bool) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let x = x.contiguous()?;
+        let (storage, layout) = x.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("transposed F32 weights run on the CPU");
+        };
+        let values = tern_kernels::cpu_ops::contiguous_f32(cpu, layout)?;
+        let mut out = vec![0f32; values.len() / self.d_in * self.d_out];
+        self.rows_into(values, with_bias, Residual::None, &mut out);
+        let mut out_dims = dims;
+        *out_dims.last_mut().expect("at least one dimension") = self.d_out;
+        Tensor::from_vec(out, out_dims, x.device())
+    }
 }
 
 impl Linear {
@@ -45,10 +93,34 @@ impl Linear {
         }
     }
 
+    /// This layer with its weights kept transposed for many-row F32 products on the CPU
+    /// ([`Linear::transposed`]), where they are F32 on the CPU; else unchanged. For layers
+    /// that take many rows (an encoder's frames): a few rows are faster as `(W xᵀ)ᵀ`.
+    pub(crate) fn in_f32_transposed(self) -> Result<Linear> {
+        let Weight::F32(weight) = &self.weight else {
+            return Ok(self);
+        };
+        match TransposedF32::new(weight, self.bias.as_ref())? {
+            Some(t) => Ok(Linear { weight: Weight::Transposed(t), bias: self.bias }),
+            None => Ok(self),
+        }
+    }
+
+    /// This layer with transposed weights back in their own layout, for tests' references
+    /// through candle's ops.
+    #[cfg(test)]
+    pub(crate) fn untransposed(self) -> Result<Linear> {
+        let Weight::Transposed(t) = &self.weight else {
+            return Ok(self);
+        };
+        let weight = Tensor::from_vec(f32_linear::transposed(&t.w_t, t.d_in, t.d_out), (t.d_out, t.d_in), &candle_core::Device::Cpu)?;
+        Ok(Linear::new(weight, self.bias))
+    }
+
     /// Bytes the weights take below F32 (half of them once in BF16).
     pub(crate) fn bytes_saved(&self) -> usize {
         match &self.weight {
-            Weight::F32(_) => 0,
+            Weight::F32(_) | Weight::Transposed(_) => 0,
             Weight::Bf16(packed) => packed.weight_count() * 2,
         }
     }
@@ -56,8 +128,16 @@ impl Linear {
     /// The BF16-packed weights, after [`Linear::in_bf16`] found the CPU's features.
     pub(crate) fn packed(&self) -> Option<&Bf16Linear> {
         match &self.weight {
-            Weight::F32(_) => None,
             Weight::Bf16(packed) => Some(packed),
+            _ => None,
+        }
+    }
+
+    /// The transposed F32 weights, after [`Linear::in_f32_transposed`].
+    pub(crate) fn transposed(&self) -> Option<&TransposedF32> {
+        match &self.weight {
+            Weight::Transposed(t) => Some(t),
+            _ => None,
         }
     }
 
@@ -71,6 +151,7 @@ impl Linear {
         match &self.weight {
             Weight::F32(weight) => Linear::new(weight.clone(), None).forward(x),
             Weight::Bf16(packed) => packed.forward(x, false),
+            Weight::Transposed(t) => t.forward(x, false),
         }
     }
 
@@ -79,6 +160,7 @@ impl Linear {
         let weight = match &self.weight {
             Weight::F32(weight) => weight,
             Weight::Bf16(packed) => return packed.forward(x, true),
+            Weight::Transposed(t) => return t.forward(x, true),
         };
         let dims = x.dims().to_vec();
         let d_in = *dims.last().expect("at least one dimension");

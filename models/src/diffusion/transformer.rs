@@ -19,6 +19,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 use tern_kernels::cpu_kernels;
 use tern_kernels::cpu_ops::{rows_per_task, OutPtr};
+use tern_kernels::f32_linear::{self, Residual};
 
 use super::layers::{on_cpu_f32, values, GroupNorm};
 
@@ -30,9 +31,6 @@ const GROUP_NORM_EPS: f64 = 1e-6;
 
 /// Queries one attention task scores at once: 128 x 4096 keys of scores is 2 MB.
 const QUERIES_PER_TASK: usize = 128;
-
-/// Below this many rows a linear layer splits its output columns between the threads itself.
-const FEW_ROWS: usize = 128;
 
 /// The gemm parallelism of one large product: every thread of the pool.
 fn all_threads() -> Parallelism {
@@ -86,7 +84,7 @@ impl Linear {
         if let Some(r) = residual {
             ensure!(r.len() == out.len(), "a residual of {} values for {} outputs", r.len(), out.len());
         }
-        self.with_values(|weight, bias| self.rows_into(x, rows, weight, bias, residual, &mut out))?;
+        self.with_values(|weight, bias| self.rows_into(x, weight, bias, residual, &mut out))?;
         Ok(out)
     }
 
@@ -104,77 +102,17 @@ impl Linear {
     }
 
     /// [`Linear::rows`] into `out` (rows x c_out).
-    fn rows_into(&self, x: &[f32], rows: usize, weight: &[f32], bias: Option<&[f32]>, residual: Option<&[f32]>, out: &mut [f32]) {
-        let n = self.c_out;
-        if bias.is_some() || residual.is_some() {
-            let task = rows_per_task(n) * n;
-            out.par_chunks_mut(task).enumerate().for_each(|(t, dst)| {
-                for (r, row) in dst.chunks_exact_mut(n).enumerate() {
-                    let at = (t * task / n + r) * n;
-                    match (bias, residual) {
-                        (Some(b), Some(res)) => row.iter_mut().zip(b).zip(&res[at..at + n]).for_each(|((o, b), r)| *o = b + r),
-                        (Some(b), None) => row.copy_from_slice(b),
-                        (None, Some(res)) => row.copy_from_slice(&res[at..at + n]),
-                        (None, None) => {}
-                    }
-                }
-            });
-        }
-        let read_dst = bias.is_some() || residual.is_some();
-        if rows >= FEW_ROWS {
-            // SAFETY: `out` is rows x c_out, `x` rows x c_in, `weight` Wᵀ, c_in x c_out.
-            unsafe {
-                gemm::gemm(
-                    rows, n, self.c_in,
-                    out.as_mut_ptr(), 1, n as isize, read_dst,
-                    x.as_ptr(), 1, self.c_in as isize,
-                    weight.as_ptr(), 1, n as isize,
-                    1.0, 1.0, false, false, false, all_threads(),
-                );
-            }
-            return;
-        }
-        // Few rows (a prompt's 77 tokens): gemm's own threading gives each thread too little
-        // (a 77-row product ran slower on two threads than on one), so each task takes a block
-        // of output columns whole.
-        let block = n.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).min(n);
-        let dst = OutPtr(out.as_mut_ptr());
-        (0..n.div_ceil(block)).into_par_iter().for_each(|t| {
-            let (from, width) = (t * block, block.min(n - t * block));
-            // SAFETY: this task alone writes columns from..from + width of every row of `out`
-            // (rows x n); `weight` (c_in x n) is read from column `from` on.
-            unsafe {
-                gemm::gemm(
-                    rows, width, self.c_in,
-                    dst.at(from), 1, n as isize, read_dst,
-                    x.as_ptr(), 1, self.c_in as isize,
-                    weight.as_ptr().add(from), 1, n as isize,
-                    1.0, 1.0, false, false, false, Parallelism::None,
-                );
-            }
-        });
+    fn rows_into(&self, x: &[f32], weight: &[f32], bias: Option<&[f32]>, residual: Option<&[f32]>, out: &mut [f32]) {
+        let residual = residual.map_or(Residual::None, Residual::Add);
+        f32_linear::rows_times_transposed(x, self.c_in, weight, self.c_out, bias, residual, out);
     }
 }
 
-/// `w` `(rows, cols)` (F32, on the CPU) as `(cols, rows)`, in blocks that stay in cache, on
-/// every core: candle's strided copy took a fifth of SDXL's load on one thread.
+/// `w` `(rows, cols)` (F32, on the CPU) as `(cols, rows)` ([`f32_linear::transposed`]).
 fn transpose(w: &Tensor) -> Result<Tensor> {
-    const BLOCK: usize = 64;
     let (rows, cols) = w.dims2()?;
     let (g, l) = w.storage_and_layout();
-    let src = values(&g, l)?;
-    let mut out = vec![0f32; rows * cols];
-    out.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(bj, dst)| {
-        let (c0, c1) = (bj * BLOCK, ((bj + 1) * BLOCK).min(cols));
-        for r0 in (0..rows).step_by(BLOCK) {
-            for r in r0..(r0 + BLOCK).min(rows) {
-                for c in c0..c1 {
-                    dst[(c - c0) * rows + r] = src[r * cols + c];
-                }
-            }
-        }
-    });
-    Ok(Tensor::from_vec(out, (cols, rows), w.device())?)
+    Ok(Tensor::from_vec(f32_linear::transposed(values(&g, l)?, rows, cols), (cols, rows), w.device())?)
 }
 
 /// A layer norm over rows (PyTorch's `LayerNorm`, affine).

@@ -6,6 +6,8 @@
 //! (row, head) is a plain dot-product / weighted-sum loop over contiguous memory (compiled for
 //! the CPU's widest vectors, [`tern_kernels::cpu_kernels`]), and the pairs are split across threads.
 
+use std::sync::Arc;
+
 use candle_core::{Device, Result, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -103,14 +105,127 @@ impl PackedHead {
     }
 }
 
-/// Softmax attention of `q` `(batch, heads, tokens, head_dim)` (already scaled, F32 on the
-/// CPU) over `heads[b * heads + h]`, each (row, head) by [`bf16_gemm::attention`]. Returns `(batch, heads, tokens, head_dim)`. Only where [`bf16_gemm::available`] (the
-/// packed heads exist only there).
-pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> Result<Tensor> {
-    let (batch, h, t, hd) = q.dims4()?;
-    if heads.len() != batch * h {
-        candle_core::bail!("cross-attention: {} packed heads for {batch} rows of {h}", heads.len());
+/// One head's cross-attention keys and values for one window in F32, over the window's own
+/// frames: keys transposed, `(head_dim x frames)`, values `(frames x head_dim)`.
+pub(crate) struct F32Head {
+    frames: usize,
+    keys_t: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl F32Head {
+    /// As [`PackedHead::new`]: frame `p`'s keys (already scaled) and values are
+    /// `keys[p * stride..][..head_dim]` and `values[p * stride..][..head_dim]`.
+    pub(crate) fn new(frames: usize, head_dim: usize, keys: &[f32], values: &[f32], stride: usize) -> F32Head {
+        let mut keys_t = vec![0f32; head_dim * frames];
+        let mut rows = Vec::with_capacity(frames * head_dim);
+        for p in 0..frames {
+            let (k, v) = (&keys[p * stride..p * stride + head_dim], &values[p * stride..p * stride + head_dim]);
+            for (i, &x) in k.iter().enumerate() {
+                keys_t[i * frames + p] = x;
+            }
+            rows.extend_from_slice(v);
+        }
+        F32Head { frames, keys_t, values: rows }
     }
+}
+
+/// A window's cross-attention keys and values for one head, computed once per window and
+/// shared (not copied) by the rows that decode it: its beams, and the batches it joins.
+pub(crate) enum CrossHead {
+    /// Packed for BF16 products.
+    Bf16(PackedHead),
+    F32(F32Head),
+}
+
+/// Softmax attention of `q` `(batch, heads, tokens, head_dim)` (already scaled, F32 on the
+/// CPU) over `heads[b * heads + h]`. Returns `(batch, heads, tokens, head_dim)`.
+pub(crate) fn attend_heads(q: &Tensor, heads: &[Arc<CrossHead>]) -> Result<Tensor> {
+    let (batch, h, _, _) = q.dims4()?;
+    if heads.len() != batch * h {
+        candle_core::bail!("cross-attention: {} heads for {batch} rows of {h}", heads.len());
+    }
+    match heads.first().map(|head| &**head) {
+        Some(CrossHead::F32(_)) => attend_f32(q, heads),
+        _ => attend_bf16(q, heads),
+    }
+}
+
+/// [`attend_heads`] over F32 heads. The rows that share a head (a window's beams) are taken
+/// together, so its keys and values are read from memory once per step for all of them, not
+/// once per beam: at beam 5 that read was most of a step. Each query's arithmetic is the
+/// same, in the same order, as alone ([`attend_one`]'s): a row computes the same whichever rows
+/// share its head.
+fn attend_f32(q: &Tensor, heads: &[Arc<CrossHead>]) -> Result<Tensor> {
+    let (batch, h, t, hd) = q.dims4()?;
+    let head = |pair: usize| match &*heads[pair] {
+        CrossHead::F32(head) => Ok(head),
+        CrossHead::Bf16(_) => Err(candle_core::Error::Msg("cross-attention heads of two kinds".into())),
+    };
+    for pair in 0..batch * h {
+        head(pair)?;
+    }
+    // Runs of consecutive rows whose heads are the same ones: (first row, rows).
+    let mut groups: Vec<(usize, usize)> = Vec::new();
+    for b in 0..batch {
+        match groups.last_mut() {
+            Some((first, n)) if Arc::ptr_eq(&heads[*first * h], &heads[b * h]) => *n += 1,
+            _ => groups.push((b, 1)),
+        }
+    }
+    let qd = q.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; batch * h * t * hd];
+    let dst = tern_kernels::cpu_ops::OutPtr(out.as_mut_ptr());
+    let tasks: Vec<(usize, usize, usize)> = groups.iter().flat_map(|&(first, m)| (0..h).map(move |hi| (first, m, hi))).collect();
+    tasks.into_par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, (first, m, hi)| {
+        let F32Head { frames: n, keys_t, values } = head(first * h + hi).expect("checked above");
+        let n = *n;
+        // The group's queries: row `first + r`, token `j` is query `r * t + j`.
+        let queries = m * t;
+        let query = |i: usize| {
+            let pair = (first + i / t) * h + hi;
+            let at = (pair * t + i % t) * hd;
+            at..at + hd
+        };
+        scores.clear();
+        scores.resize(queries * n, 0.0);
+        for d in 0..hd {
+            let keys = &keys_t[d * n..(d + 1) * n];
+            for (i, s) in scores.chunks_exact_mut(n).enumerate() {
+                cpu_kernels::axpy(s, qd[query(i)][d], keys);
+            }
+        }
+        for s in scores.chunks_exact_mut(n) {
+            cpu_kernels::softmax_in_place(s);
+        }
+        for i in 0..queries {
+            // SAFETY: this task alone writes its group's rows of this head; `out` holds
+            // batch x h x t x hd values.
+            let o = unsafe { dst.slice(query(i).start, hd) };
+            o.fill(0.0);
+        }
+        for (p, v) in values.chunks_exact(hd).enumerate() {
+            for (i, s) in scores.chunks_exact(n).enumerate() {
+                // SAFETY: as above.
+                let o = unsafe { dst.slice(query(i).start, hd) };
+                cpu_kernels::axpy(o, s[p], v);
+            }
+        }
+    });
+    Tensor::from_vec(out, (batch, h, t, hd), q.device())
+}
+
+/// [`attend_heads`] over BF16-packed heads, each (row, head) by [`bf16_gemm::attention`]. Only
+/// where [`bf16_gemm::available`] (the packed heads exist only there).
+fn attend_bf16(q: &Tensor, heads: &[Arc<CrossHead>]) -> Result<Tensor> {
+    let (batch, h, t, hd) = q.dims4()?;
+    let heads = heads
+        .iter()
+        .map(|head| match &**head {
+            CrossHead::Bf16(packed) => Ok(packed),
+            CrossHead::F32(_) => Err(candle_core::Error::Msg("cross-attention heads of two kinds".into())),
+        })
+        .collect::<Result<Vec<&PackedHead>>>()?;
     let qd = q.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; batch * h * t * hd];
     let hd_pairs = hd.div_ceil(2);
@@ -134,7 +249,56 @@ pub(crate) fn attend_bf16(q: &Tensor, heads: &[std::sync::Arc<PackedHead>]) -> R
 mod tests {
     use super::*;
     use tern_kernels::bf16_gemm::test_values as values;
-    use std::sync::Arc;
+    /// F32 heads shared by beams: three windows (two, one and three beams, of different
+    /// lengths) give each row, to the bit, what the per-row kernel over the transposed keys
+    /// gives it alone, for one query token and two.
+    #[test]
+    fn shared_f32_heads_give_each_beam_what_it_gets_alone() {
+        let (h, hd, frames) = (2usize, 8usize, 37usize);
+        let windows = [(2usize, 37usize), (1, 20), (3, 5)];
+        let k = values(windows.len() * h * frames * hd, 1);
+        let v = values(windows.len() * h * frames * hd, 2);
+        // Window w's head hi: frames x hd at (w * h + hi) * frames * hd.
+        let shared: Vec<Vec<Arc<CrossHead>>> = windows
+            .iter()
+            .enumerate()
+            .map(|(w, &(_, n))| (0..h).map(|hi| {
+                let base = (w * h + hi) * frames * hd;
+                Arc::new(CrossHead::F32(F32Head::new(n, hd, &k[base..], &v[base..], hd)))
+            }).collect())
+            .collect();
+        let rows: Vec<usize> = windows.iter().enumerate().flat_map(|(w, &(beams, _))| std::iter::repeat_n(w, beams)).collect();
+        let heads: Vec<Arc<CrossHead>> = rows.iter().flat_map(|&w| shared[w].iter().cloned()).collect();
+        let dev = Device::Cpu;
+        for t in [1usize, 2] {
+            let q = Tensor::from_vec(values(rows.len() * h * t * hd, 3 + t), (rows.len(), h, t, hd), &dev).unwrap();
+            let got = attend_heads(&q, &heads).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for (r, &w) in rows.iter().enumerate() {
+                let n = windows[w].1;
+                let mut k_t = vec![0f32; h * hd * n];
+                for hi in 0..h {
+                    for p in 0..n {
+                        for i in 0..hd {
+                            k_t[hi * hd * n + i * n + p] = k[(w * h + hi) * frames * hd + p * hd + i];
+                        }
+                    }
+                }
+                let k_t = Tensor::from_vec(k_t, (1, h, hd, n), &dev).unwrap();
+                let v_w: Vec<f32> = (0..h).flat_map(|hi| v[(w * h + hi) * frames * hd..][..n * hd].to_vec()).collect();
+                let v_w = Tensor::from_vec(v_w, (1, h, n, hd), &dev).unwrap();
+                for tok in 0..t {
+                    let q_tok = q.narrow(0, r, 1).unwrap().narrow(2, tok, 1).unwrap().contiguous().unwrap();
+                    let want = attend_one(&q_tok, &k_t, KeyLayout::Transposed, &v_w, None).unwrap().expect("F32 on the CPU");
+                    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    for hi in 0..h {
+                        let at = ((r * h + hi) * t + tok) * hd;
+                        assert_eq!(&got[at..at + hd], &want[hi * hd..(hi + 1) * hd], "row {r} (window {w}), head {hi}, token {tok} of {t}");
+                    }
+                }
+            }
+        }
+        assert!(attend_heads(&Tensor::zeros((1, h, 1, hd), candle_core::DType::F32, &dev).unwrap(), &heads[..1]).is_err(), "a head count that is not rows x heads");
+    }
 
     /// Against the F32 kernel over the transposed keys: two rows of different lengths (the
     /// shorter masked there, packed short here), two heads, one and two query tokens.
@@ -147,10 +311,10 @@ mod tests {
         let lens = [37usize, 20];
         let k = values(batch * h * frames * hd, 1);
         let v = values(batch * h * frames * hd, 2);
-        let packed: Vec<Arc<PackedHead>> = (0..batch * h)
+        let packed: Vec<Arc<CrossHead>> = (0..batch * h)
             .map(|pair| {
                 let base = pair * frames * hd;
-                Arc::new(PackedHead::new(lens[pair / h], hd, &k[base..], &v[base..], hd))
+                Arc::new(CrossHead::Bf16(PackedHead::new(lens[pair / h], hd, &k[base..], &v[base..], hd)))
             })
             .collect();
         // `(batch, head, head_dim, frames)` for the F32 kernel.
@@ -167,7 +331,7 @@ mod tests {
         let v_t = Tensor::from_vec(v.clone(), (batch, h, frames, hd), &dev).unwrap();
         for t in [1usize, 2] {
             let q = Tensor::from_vec(values(batch * h * t * hd, 3 + t), (batch, h, t, hd), &dev).unwrap();
-            let got = attend_bf16(&q, &packed).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let got = attend_heads(&q, &packed).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             for tok in 0..t {
                 let q_tok = q.narrow(2, tok, 1).unwrap().contiguous().unwrap();
                 let want = attend_one(&q_tok, &k_t, KeyLayout::Transposed, &v_t, Some(&lens)).unwrap().expect("F32 on the CPU");

@@ -14,7 +14,7 @@ use candle_transformers::models::whisper::Config;
 
 use std::sync::Arc;
 
-use super::attention::{self, KeyLayout, PackedHead};
+use super::attention::{self, CrossHead, F32Head, KeyLayout, PackedHead};
 use super::LAYER_NORM_EPS;
 use tern_kernels::bf16_gemm::Bf16Linear;
 use tern_kernels::cpu_kernels;
@@ -57,8 +57,9 @@ struct Layer {
 /// Cross-attention keys (scaled, laid out `(batch, head, head_dim, frames)`) and values
 /// (`(batch, head, frames, head_dim)`) of every layer for one batch of encoded windows.
 /// Rows encoded with fewer frames than the batch holds carry a mask over the padding, so each
-/// row attends to exactly what it would alone. Where the decoder takes BF16 products, each
-/// (layer, row, head) is packed instead, over the row's own frames.
+/// row attends to exactly what it would alone. On the CPU in F32, each (layer, row, head) is
+/// kept on its own instead (packed where the decoder takes BF16 products), over the row's own
+/// frames, and shared by the rows that decode the window.
 #[derive(Clone)]
 pub(crate) struct CrossKv {
     layers: Vec<(Tensor, Tensor)>,
@@ -66,9 +67,9 @@ pub(crate) struct CrossKv {
     mask: Option<Tensor>,
     /// Each row's own frames, when some row has padding (the mask's lengths).
     frames: Option<Vec<usize>>,
-    /// Per layer, per (row, head) (`row * heads + head`): the packed BF16 keys and values;
-    /// empty where `layers` holds tensors.
-    packed: Vec<Vec<Arc<PackedHead>>>,
+    /// Per layer, per (row, head) (`row * heads + head`): the keys and values; empty where
+    /// `layers` holds tensors.
+    packed: Vec<Vec<Arc<CrossHead>>>,
     heads: usize,
 }
 
@@ -86,12 +87,12 @@ impl CrossKv {
     }
 
     /// The packed heads of `rows`, in that order.
-    fn packed_rows(&self, rows: &[usize]) -> Vec<Vec<Arc<PackedHead>>> {
+    fn packed_rows(&self, rows: &[usize]) -> Vec<Vec<Arc<CrossHead>>> {
         let h = self.heads;
         self.packed.iter().map(|layer| rows.iter().flat_map(|&r| layer[r * h..(r + 1) * h].iter().cloned()).collect()).collect()
     }
 
-    /// Whether rows are packed one by one ([`Decoder::cross_kv`] with BF16 products), so that
+    /// Whether rows are kept one by one ([`Decoder::cross_kv`] on the CPU in F32), so that
     /// joining and selecting rows copies no keys or values.
     pub fn is_packed(&self) -> bool {
         !self.packed.is_empty()
@@ -293,6 +294,9 @@ impl Decoder {
         let logits_bf16 = if bf16_products { Bf16Linear::pack(&embed_tokens, None)? } else { None };
         let embed_tokens = if embeddings_in_f16 { embed_tokens.to_dtype(DType::F16)? } else { embed_tokens };
         let product = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { Ok(l) };
+        // The cross-attention keys and values take a window's frames, many rows: in F32 on the
+        // CPU their weights are kept transposed for that.
+        let many_rows = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { l.in_f32_transposed() };
         let embed_positions = vb.get(
             (cfg.max_target_positions, n_state),
             "embed_positions.weight",
@@ -303,7 +307,10 @@ impl Decoder {
                 Ok(Layer {
                     self_attn: Attention::load(n_state, vb.pp("self_attn"))?.products(product)?,
                     self_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("self_attn_layer_norm"))?,
-                    cross_attn: Attention::load(n_state, vb.pp("encoder_attn"))?.products(product)?,
+                    cross_attn: {
+                        let a = Attention::load(n_state, vb.pp("encoder_attn"))?.products(product)?;
+                        Attention { k: many_rows(a.k)?, v: many_rows(a.v)?, ..a }
+                    },
                     cross_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("encoder_attn_layer_norm"))?,
                     fc1: product(linear(n_state, 4 * n_state, vb.pp("fc1"))?)?,
                     fc2: product(linear(4 * n_state, n_state, vb.pp("fc2"))?)?,
@@ -335,10 +342,11 @@ impl Decoder {
             .sum()
     }
 
-    /// Whether [`Decoder::cross_kv`] packs each row's keys and values on its own (BF16
-    /// products), so rows join and leave a batch without copies.
+    /// Whether [`Decoder::cross_kv`] keeps each row's keys and values on its own (on the CPU in
+    /// F32; packed for BF16 products), so rows join and leave a batch, and beams share their
+    /// window's, without copies.
     pub fn packs_cross(&self) -> bool {
-        self.logits_bf16.is_some()
+        self.logits_bf16.is_some() || (self.device().is_cpu() && self.embed_positions.dtype() == DType::F32)
     }
 
     /// Bytes of the BF16 logits' packed token embeddings, if any.
@@ -370,8 +378,8 @@ impl Decoder {
     /// masked out); `None` when every row uses all of them.
     pub fn cross_kv(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
         let total = audio_features.dim(1)?;
-        if self.logits_bf16.is_some() {
-            return self.cross_kv_bf16(audio_features, frames);
+        if self.packs_cross() {
+            return self.cross_kv_rows(audio_features, frames);
         }
         let mask = match frames {
             Some(frames) => padding_mask(frames, total, audio_features.device(), audio_features.dtype())?,
@@ -392,9 +400,9 @@ impl Decoder {
         Ok(CrossKv { layers, mask, frames, packed: Vec::new(), heads: self.n_head })
     }
 
-    /// [`Decoder::cross_kv`] packed per (layer, row, head) for BF16 products, each row over its
-    /// own frames only (so no mask).
-    fn cross_kv_bf16(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
+    /// [`Decoder::cross_kv`] kept per (layer, row, head), each row over its own frames only (so
+    /// no mask).
+    fn cross_kv_rows(&self, audio_features: &Tensor, frames: Option<&[usize]>) -> Result<CrossKv> {
         let (b, total, d) = audio_features.dims3()?;
         let spans: Vec<(usize, usize)> = (0..b).map(|i| (i * total, frames.map_or(total, |f| f[i].min(total)))).collect();
         self.cross_kv_spans(&audio_features.reshape((b * total, d))?, &spans)
@@ -410,11 +418,12 @@ impl Decoder {
         self.cross_kv_spans(audio_features, &tern_kernels::self_attention::end_to_end(lens))
     }
 
-    /// Packed keys and values of windows whose frames are the rows `spans[i].0..+spans[i].1` of
+    /// Per-head keys and values (packed where the products are BF16) of windows whose frames are the rows `spans[i].0..+spans[i].1` of
     /// `features` `(rows, d_model)`.
     fn cross_kv_spans(&self, features: &Tensor, spans: &[(usize, usize)]) -> Result<CrossKv> {
         let (h, hd) = (self.n_head, self.head_dim);
         let d = h * hd;
+        let bf16 = self.logits_bf16.is_some();
         let packed = self
             .layers
             .iter()
@@ -426,7 +435,10 @@ impl Decoder {
                     .map(|pair| {
                         let (first, n) = spans[pair / h];
                         let base = first * d + (pair % h) * hd;
-                        Arc::new(PackedHead::new(n, hd, &k[base..], &v[base..], d))
+                        Arc::new(match bf16 {
+                            true => CrossHead::Bf16(PackedHead::new(n, hd, &k[base..], &v[base..], d)),
+                            false => CrossHead::F32(F32Head::new(n, hd, &k[base..], &v[base..], d)),
+                        })
                     })
                     .collect())
             })
@@ -658,7 +670,7 @@ impl Decoder {
         let a = &layer.cross_attn;
         let q = (self.heads(&a.q.forward(&h)?)? * self.scale)?;
         let o = match (cross.packed.get(i), cross.layers.get(i)) {
-            (Some(packed), _) => attention::attend_bf16(&q, packed)?,
+            (Some(packed), _) => attention::attend_heads(&q, packed)?,
             (None, Some((ck, cv))) => match attention::attend_one(&q, ck, KeyLayout::Transposed, cv, cross.frames.as_deref())? {
                 Some(o) => o,
                 None => {

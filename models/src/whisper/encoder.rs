@@ -17,9 +17,10 @@ use rayon::prelude::*;
 use super::LAYER_NORM_EPS;
 use tern_kernels::bf16_gemm::{self, Bf16Linear};
 use tern_kernels::cpu_ops::{gelu, softmax_last_dim, Gelu};
-use crate::linear::{linear, linear_no_bias, Linear};
+use crate::linear::{linear, linear_no_bias, Linear, TransposedF32};
 use tern_kernels::cpu_kernels;
-use tern_kernels::cpu_ops::OutPtr;
+use tern_kernels::cpu_ops::{rows_per_task, OutPtr};
+use tern_kernels::f32_linear::{attend_spans_f32, Residual};
 use tern_kernels::self_attention::{attend_spans_bf16, end_to_end, padded, self_attention, self_attention_spans};
 
 fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Conv1d> {
@@ -27,32 +28,52 @@ fn conv1d(c_in: usize, c_out: usize, stride: usize, vb: VarBuilder) -> Result<Co
     Ok(Conv1d::new(vb.get((c_out, c_in, 3), "weight")?, Some(vb.get(c_out, "bias")?), cfg))
 }
 
-/// One of Whisper's convolutions (kernel 3, padding 1) as BF16 products, channels last: output
+/// One of Whisper's convolutions (kernel 3, padding 1) as a product, channels last: output
 /// position `t` is the product of input positions `stride t - 1 ..= stride t + 1` side by side
-/// (zeros past the ends) with the weights reordered to match. candle's F32 convolution was a
-/// sixth of the encoder once its linear layers took BF16 products.
-struct Bf16Conv {
-    product: Bf16Linear,
+/// (zeros past the ends) with the weights reordered to match. candle's F32 convolution (a
+/// scalar gather into columns) was a sixth of the encoder once its linear layers took BF16
+/// products.
+struct RowConv {
+    product: ConvProduct,
     c_in: usize,
     stride: usize,
 }
 
-impl Bf16Conv {
-    /// `None` where the CPU lacks AVX-512 BF16 or `c_in` is odd (whole BF16 pairs per position).
-    fn new(conv: &Conv1d) -> Result<Option<Bf16Conv>> {
+enum ConvProduct {
+    Bf16(Bf16Linear),
+    F32(TransposedF32),
+}
+
+impl RowConv {
+    /// In BF16 products where `bf16` and the CPU has AVX-512 BF16 and `c_in` is even (whole
+    /// BF16 pairs per position), else F32 ones on the CPU; `None` for another device or dtype.
+    fn new(conv: &Conv1d, bf16: bool) -> Result<Option<RowConv>> {
         let (c_out, c_in, k) = conv.weight().dims3()?;
-        if k != 3 || c_in % 2 != 0 || conv.config().padding != 1 || conv.config().dilation != 1 || conv.config().groups != 1 {
+        if k != 3 || conv.config().padding != 1 || conv.config().dilation != 1 || conv.config().groups != 1 {
             return Ok(None);
         }
         let weight = conv.weight().permute((0, 2, 1))?.contiguous()?.reshape((c_out, 3 * c_in))?;
-        Ok(Bf16Linear::pack(&weight, conv.bias())?.map(|product| Bf16Conv { product, c_in, stride: conv.config().stride }))
+        let stride = conv.config().stride;
+        if bf16 && c_in % 2 == 0 {
+            if let Some(product) = Bf16Linear::pack(&weight, conv.bias())? {
+                return Ok(Some(RowConv { product: ConvProduct::Bf16(product), c_in, stride }));
+            }
+        }
+        Ok(TransposedF32::new(&weight, conv.bias())?.map(|t| RowConv { product: ConvProduct::F32(t), c_in, stride }))
+    }
+
+    fn d_out(&self) -> usize {
+        match &self.product {
+            ConvProduct::Bf16(p) => p.d_out(),
+            ConvProduct::F32(t) => t.d_out,
+        }
     }
 
     /// `x` `(batch, len, c_in)` F32 on the CPU; returns `(batch, (len - 1) / stride + 1, c_out)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, len, c) = x.dims3()?;
         let out = self.forward_rows(&x.reshape((b * len, c))?, &vec![len; b])?;
-        out.reshape((b, (len - 1) / self.stride + 1, self.product.d_out()))
+        out.reshape((b, (len - 1) / self.stride + 1, self.d_out()))
     }
 
     /// Sequences laid end to end: `x` `(rows, c_in)` holds sequence `i`'s `lens[i]` positions
@@ -65,13 +86,11 @@ impl Bf16Conv {
             candle_core::bail!("convolution over {c} channels of {lens:?} positions in {rows} rows; it takes {}", self.c_in);
         }
         let x = x.contiguous()?;
-        let pairs = {
-            let (storage, layout) = x.storage_and_layout();
-            let candle_core::Storage::Cpu(cpu) = &*storage else {
-                candle_core::bail!("BF16 products run on the CPU");
-            };
-            bf16_gemm::to_bf16_pairs(tern_kernels::cpu_ops::contiguous_f32(cpu, layout)?, rows, c)
+        let (storage, layout) = x.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("row convolutions run on the CPU");
         };
+        let values = tern_kernels::cpu_ops::contiguous_f32(cpu, layout)?;
         // Each output row's sequence: its first input row, its length and its position in it.
         let mut sources = Vec::new();
         let mut first = 0;
@@ -79,19 +98,36 @@ impl Bf16Conv {
             sources.extend((0..(len - 1) / self.stride + 1).map(|t| (first, len, t)));
             first += len;
         }
-        let per_position = c / 2;
-        let mut gathered = vec![0u32; sources.len() * 3 * per_position];
+        let out = match &self.product {
+            ConvProduct::Bf16(product) => {
+                let pairs = bf16_gemm::to_bf16_pairs(values, rows, c);
+                let gathered = self.gather(&pairs, c / 2, &sources);
+                product.pair_rows_times(&gathered, sources.len(), true)
+            }
+            ConvProduct::F32(product) => {
+                let gathered = self.gather(values, c, &sources);
+                let mut out = vec![0f32; sources.len() * product.d_out];
+                product.rows_into(&gathered, true, Residual::None, &mut out);
+                out
+            }
+        };
+        Tensor::from_vec(out, (sources.len(), self.d_out()), x.device())
+    }
+
+    /// The three input positions of each output row (`sources`: first row of its sequence, the
+    /// sequence's length, the output position), `per_position` values each, side by side.
+    fn gather<T: Copy + Default + Send + Sync>(&self, src: &[T], per_position: usize, sources: &[(usize, usize, usize)]) -> Vec<T> {
+        let mut gathered = vec![T::default(); sources.len() * 3 * per_position];
         gathered.par_chunks_mut(3 * per_position).zip(sources.par_iter()).for_each(|(row, &(first, len, t))| {
             for (k, dst) in row.chunks_exact_mut(per_position).enumerate() {
                 // Input position `stride t + k - 1`; outside the sequence it stays zero.
                 if let Some(p) = (t * self.stride + k).checked_sub(1).filter(|&p| p < len) {
                     let from = (first + p) * per_position;
-                    dst.copy_from_slice(&pairs[from..from + per_position]);
+                    dst.copy_from_slice(&src[from..from + per_position]);
                 }
             }
         });
-        let out = self.product.pair_rows_times(&gathered, sources.len(), true);
-        Tensor::from_vec(out, (sources.len(), self.product.d_out()), x.device())
+        gathered
     }
 }
 
@@ -117,8 +153,9 @@ impl Block {
 pub(crate) struct Encoder {
     conv1: Conv1d,
     conv2: Conv1d,
-    /// Both convolutions as BF16 products, where the blocks take them.
-    bf16_convs: Option<(Bf16Conv, Bf16Conv)>,
+    /// Both convolutions as products over rows (BF16 where the blocks take BF16 products), on
+    /// the CPU in F32.
+    row_convs: Option<(RowConv, RowConv)>,
     /// Sinusoids `(1500, d_model)`.
     positions: Tensor,
     blocks: Vec<Block>,
@@ -156,7 +193,8 @@ impl Encoder {
                     (a.get((d, d), "q_proj.weight")? * scale)?,
                     Some((a.get(d, "q_proj.bias")? * scale)?),
                 );
-                let product = |l: Linear| if bf16_products { l.in_bf16() } else { Ok(l) };
+                // BF16 where asked and the CPU has it, else F32 kept transposed on the CPU.
+                let product = |l: Linear| if bf16_products { l.in_bf16()?.in_f32_transposed() } else { l.in_f32_transposed() };
                 Ok(Block {
                     attn_ln: layer_norm(d, LAYER_NORM_EPS, vb.pp("self_attn_layer_norm"))?,
                     q: product(q)?,
@@ -179,12 +217,13 @@ impl Encoder {
         };
         let conv1 = conv1d(cfg.num_mel_bins, d, 1, vb.pp("conv1"))?;
         let conv2 = conv1d(d, d, 2, vb.pp("conv2"))?;
-        // `None` where the CPU lacks AVX-512 BF16, as the blocks then stay F32 too.
-        let bf16_convs = if bf16_products { Bf16Conv::new(&conv1)?.zip(Bf16Conv::new(&conv2)?) } else { None };
+        // In BF16 where the blocks take BF16 products (the CPU has AVX-512 BF16).
+        let bf16 = bf16_products && tern_kernels::bf16_gemm::available();
+        let row_convs = RowConv::new(&conv1, bf16)?.zip(RowConv::new(&conv2, bf16)?);
         Ok(Encoder {
             conv1,
             conv2,
-            bf16_convs,
+            row_convs,
             positions,
             blocks,
             ln_post: layer_norm(d, LAYER_NORM_EPS, vb.pp("layer_norm"))?,
@@ -208,9 +247,10 @@ impl Encoder {
         self.positions.device().is_cpu() && self.positions.dtype() == candle_core::DType::F32
     }
 
-    /// Whether [`Encoder::forward_ragged`] runs here: the convolutions take BF16 products.
+    /// Whether [`Encoder::forward_ragged`] runs here: the convolutions are products over rows
+    /// (on the CPU in F32).
     pub fn takes_ragged(&self) -> bool {
-        self.bf16_convs.is_some()
+        self.row_convs.is_some()
     }
 
     /// Encodes a log-mel `(batch, n_mels, frames)` (`frames` even, at most 3000) into
@@ -234,7 +274,7 @@ impl Encoder {
             return Tensor::cat(&parts, 0);
         }
         let mel = mel.to_dtype(self.positions.dtype())?;
-        let x = match &self.bf16_convs {
+        let x = match &self.row_convs {
             Some((conv1, conv2)) => {
                 let x = gelu(&conv1.forward(&mel.transpose(1, 2)?)?, Gelu::Erf)?;
                 gelu(&conv2.forward(&x)?, Gelu::Erf)?
@@ -271,7 +311,7 @@ impl Encoder {
     /// on padding, and grouping only windows of similar lengths split a batch into several
     /// smaller groups.
     pub fn forward_ragged(&self, mels: &[Tensor]) -> Result<(Tensor, Vec<usize>)> {
-        let Some((conv1, conv2)) = &self.bf16_convs else {
+        let Some((conv1, conv2)) = &self.row_convs else {
             candle_core::bail!("this encoder pads windows to one length");
         };
         let mut frames = Vec::with_capacity(mels.len());
@@ -297,17 +337,71 @@ impl Encoder {
     }
 
     /// The blocks and the final layer norm over `x` (positions added), with `attend(q, k, v)`
-    /// the blocks' self-attention; where the products run in BF16, [`Encoder::bf16_blocks`]
-    /// over the windows' rows `spans` instead.
+    /// the blocks' self-attention; on the CPU in F32, [`Encoder::bf16_blocks`] or
+    /// [`Encoder::f32_blocks`] over the windows' rows `spans` instead.
     fn blocks_and_norm(&self, x: Tensor, spans: &[(usize, usize)], attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
-        if self.takes_lengths() && self.bf16_products() {
+        let transposed = self.blocks.iter().all(|b| b.products().iter().all(|l| l.transposed().is_some()));
+        if self.takes_lengths() && (self.bf16_products() || transposed) {
             let shape = x.shape().clone();
             let mut rows = x.flatten_all()?.to_vec1::<f32>()?;
             drop(x);
-            self.bf16_blocks(&mut rows, spans)?;
+            if self.bf16_products() {
+                self.bf16_blocks(&mut rows, spans)?;
+            } else {
+                self.f32_blocks(&mut rows, spans)?;
+            }
             return self.ln_post.forward(&Tensor::from_vec(rows, shape, self.positions.device())?);
         }
         self.blocks_with_ops(x, attend)
+    }
+
+    /// The blocks over `x`, rows of `d_model` (F32 on the CPU, weights kept transposed), in
+    /// place; window `i` is the `spans[i].1` rows from row `spans[i].0`.
+    ///
+    /// The same maths as the tensor ops in reused buffers: layer norms and GELU on every core,
+    /// biases and residuals written in the products' passes
+    /// ([`tern_kernels::f32_linear::rows_times_transposed`]), attention per (window, head,
+    /// block of queries). Through candle's ops the products re-packed their transposed weights
+    /// on every call and the layer norms ran on one core.
+    fn f32_blocks(&self, x: &mut [f32], spans: &[(usize, usize)]) -> Result<()> {
+        let d = self.positions.dim(1)?;
+        let rows = x.len() / d;
+        fn weights(l: &Linear) -> Result<&TransposedF32> {
+            l.transposed().ok_or_else(|| candle_core::Error::Msg("transposed F32 weights expected".into()))
+        }
+        let Some(first) = self.blocks.first() else { return Ok(()) };
+        let hidden = weights(&first.fc1)?.d_out;
+        let mut normed = vec![0f32; rows * d];
+        let mut activated = vec![0f32; rows * hidden];
+        let (mut q, mut k, mut v, mut attended) = (vec![0f32; rows * d], vec![0f32; rows * d], vec![0f32; rows * d], vec![0f32; rows * d]);
+        let eps = LAYER_NORM_EPS as f32;
+        let task = rows_per_task(d) * d;
+        let layer_norm = |ln: &LayerNorm, x: &[f32], out: &mut [f32]| -> Result<()> {
+            let gamma = ln.weight().to_vec1::<f32>()?;
+            let beta = match ln.bias() {
+                Some(b) => b.to_vec1::<f32>()?,
+                None => vec![0.0; d],
+            };
+            out.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(dst, src)| {
+                for (dst, row) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
+                    cpu_kernels::layer_norm(dst, row, &gamma, &beta, eps);
+                }
+            });
+            Ok(())
+        };
+        for block in &self.blocks {
+            layer_norm(&block.attn_ln, x, &mut normed)?;
+            for (product, out) in [(&block.q, &mut q), (&block.k, &mut k), (&block.v, &mut v)] {
+                weights(product)?.rows_into(&normed, true, Residual::None, out);
+            }
+            attend_spans_f32(&q, &k, &v, d, self.n_head, spans, &mut attended);
+            weights(&block.out)?.rows_into(&attended, true, Residual::InOut, x);
+            layer_norm(&block.mlp_ln, x, &mut normed)?;
+            weights(&block.fc1)?.rows_into(&normed, true, Residual::None, &mut activated);
+            activated.par_chunks_mut(rows_per_task(hidden) * hidden).for_each(cpu_kernels::gelu_erf_in_place);
+            weights(&block.fc2)?.rows_into(&activated, true, Residual::InOut, x);
+        }
+        Ok(())
     }
 
     /// [`Encoder::blocks_and_norm`] with candle's ops (and the linear layers' own products).
@@ -407,6 +501,11 @@ mod tests {
 
     /// A small encoder with made-up weights (BF16 products where the CPU has them).
     fn small_encoder() -> (Encoder, Config) {
+        small_encoder_in(candle_core::DType::F32, true)
+    }
+
+    /// [`small_encoder`] in `dtype`, with BF16 products or without.
+    fn small_encoder_in(dtype: candle_core::DType, bf16_products: bool) -> (Encoder, Config) {
         let cfg = Config {
             num_mel_bins: 8,
             max_source_positions: 64,
@@ -454,8 +553,44 @@ mod tests {
                 (name, (t * 0.2).unwrap())
             })
             .collect();
-        let vb = VarBuilder::from_tensors(tensors, candle_core::DType::F32, &Device::Cpu);
-        (Encoder::load(vb, &cfg, true).unwrap(), cfg)
+        let vb = VarBuilder::from_tensors(tensors, dtype, &Device::Cpu);
+        (Encoder::load(vb, &cfg, bf16_products).unwrap(), cfg)
+    }
+
+    /// The F32 encoder on tern's kernels (convolutions and linear layers over transposed
+    /// weights, layer norms and GELU in the blocks' buffers) equals the same encoder through
+    /// candle's ops, for a batch of two windows, one of them padded.
+    #[test]
+    fn f32_kernels_match_candles_ops() {
+        let (fast, cfg) = small_encoder_in(candle_core::DType::F32, false);
+        let (mut reference, _) = small_encoder_in(candle_core::DType::F32, false);
+        reference.row_convs = None;
+        for block in &mut reference.blocks {
+            for l in [&mut block.q, &mut block.k, &mut block.v, &mut block.out, &mut block.fc1, &mut block.fc2] {
+                *l = std::mem::replace(l, Linear::new(Tensor::zeros((1, 1), candle_core::DType::F32, &Device::Cpu).unwrap(), None)).untransposed().unwrap();
+            }
+        }
+        assert!(fast.takes_lengths() && fast.takes_ragged() && !fast.bf16_products());
+        assert!(!reference.takes_ragged() && reference.blocks[0].q.transposed().is_none());
+        let frames = 2 * 40;
+        let mel = Tensor::from_vec(values(2 * cfg.num_mel_bins * frames, 9), (2, cfg.num_mel_bins, frames), &Device::Cpu).unwrap();
+        let got = fast.forward(&mel, None).unwrap().to_vec3::<f32>().unwrap();
+        let want = reference.forward(&mel, None).unwrap().to_vec3::<f32>().unwrap();
+        let mut worst = 0f32;
+        for (g, w) in got.iter().flatten().flatten().zip(want.iter().flatten().flatten()) {
+            worst = worst.max((g - w).abs());
+        }
+        assert!(worst < 1e-4, "largest difference {worst}");
+        // The second window's first 13 positions alone, and as part of the padded batch.
+        let short = mel.narrow(0, 1, 1).unwrap().narrow(2, 0, 26).unwrap();
+        let alone = fast.forward(&short, None).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+        let padded = fast.forward(&Tensor::cat(&[mel.narrow(0, 0, 1).unwrap(), short.pad_with_zeros(2, 0, frames - 26).unwrap()], 0).unwrap(), Some(&[40, 13])).unwrap();
+        let padded = padded.get(1).unwrap().to_vec2::<f32>().unwrap();
+        for p in 0..13 {
+            for (a, b) in alone[p].iter().zip(&padded[p]) {
+                assert!((a - b).abs() < 1e-5, "position {p}: {a} alone, {b} padded");
+            }
+        }
     }
 
     /// Windows of three lengths end to end give, row for row and to the bit, what each gives
@@ -538,7 +673,7 @@ mod tests {
             let conv = Conv1d::new(weight, Some(bias), cfg);
             let x = Tensor::from_vec(values(b * c_in * len, 3), (b, c_in, len), &Device::Cpu).unwrap();
             let want = conv.forward(&x).unwrap().transpose(1, 2).unwrap().to_vec3::<f32>().unwrap();
-            let bf16 = Bf16Conv::new(&conv).unwrap().expect("an even channel count");
+            let bf16 = RowConv::new(&conv, true).unwrap().expect("an even channel count");
             let got = bf16.forward(&x.transpose(1, 2).unwrap()).unwrap().to_vec3::<f32>().unwrap();
             assert_eq!((got.len(), got[0].len(), got[0][0].len()), (b, (len - 1) / stride + 1, c_out));
             for (w, g) in want.iter().flatten().flatten().zip(got.iter().flatten().flatten()) {
