@@ -1,7 +1,8 @@
 """faster-whisper (CTranslate2) on the workloads of `tern-bench-transcribe`: the first 20 LibriVox
 clips (sorted by file bytes, cycled) one by one, and one >= 120 s recording built from all clips
 with 0.5 s pauses, transcribed plainly and with BatchedInferencePipeline (batch 8, Silero VAD
-chunks). Greedy (beam 1; --beam N for beam search), 2 threads, CPU; one warm-up transcription per model; audio seconds per
+chunks). Greedy (beam 1; --beam N for beam search), 2 threads, CPU; --long-seconds S sets the
+recording's length (120 s by default, as tern-bench-models' --long-seconds); one warm-up transcription per model; audio seconds per
 wall second, and WER against testdata/librivox/transcription (normalised like tern's wer.rs).
 
 Set-up (wheels only, ~10 s; no torch):
@@ -22,6 +23,8 @@ from tern_workloads import word_errors as errors, words  # tern's wer.rs, ported
 quick = "--quick" in sys.argv
 beam = int(sys.argv[sys.argv.index("--beam") + 1]) if "--beam" in sys.argv else 1
 n_clips, long_s = (2, 10.0) if quick else (20, 120.0)
+if "--long-seconds" in sys.argv:
+    long_s = float(sys.argv[sys.argv.index("--long-seconds") + 1])
 root = os.path.expanduser(os.environ.get("TERN_MODELS_DIR", "~/.cache/tern/models"))
 model_dir = os.path.join(root, "whisper-tiny.en")
 data = os.path.join(root, "testdata/librivox")
