@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 use tern_models::audio::decode_mono_16k;
-use tern_models::whisper::{windows_for, Padding, TranscribeOptions, Whisper};
+use tern_models::whisper::{windows_for, FeaturePadding, Padding, TranscribeOptions, Whisper};
 
 fn models_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("TERN_MODELS_DIR")
@@ -701,4 +701,26 @@ fn audio_embeddings_keep_a_recording_nearest_itself_and_batch_as_alone() {
         eprintln!("{} as {kind}: cosine {:.4} to its original, next best {:.4}", clips[own].0, scores[own], scores.iter().enumerate().filter(|(i, _)| *i != own).map(|(_, s)| *s).fold(f32::MIN, f32::max));
         assert_eq!(nearest, own, "{} as {kind} is nearest {}", clips[own].0, clips[nearest].0);
     }
+}
+
+/// Clip 0880 at beam 5 without timestamps (as transformers' pipeline decodes by default): with
+/// the features past the audio zeroed, as faster-whisper computes them, tiny.en reads
+/// "old-sposed", as faster-whisper does; padded with silence's log-mel, as OpenAI's reference
+/// and transformers compute them, it reads "ill-disposed", as the pipeline does
+/// (docs/benchmarks.md, "Features past the audio: zeros or silence"). With timestamps it reads
+/// "old-sposed" either way.
+#[test]
+fn silence_padded_features_read_clip_0880_as_openais_reference_does() {
+    use tern_models::precision::Precision;
+    let Some(dir) = models_dir() else { return };
+    let mut whisper = Whisper::load_ct2_in(&dir.join("whisper-tiny.en"), &Device::Cpu, Precision::F32).unwrap();
+    let pcm = clip_pcm(&dir, "sense_and_sensibility_01_austen_64kb-0880");
+    let read = |whisper: &mut Whisper, feature_padding| {
+        let opts = TranscribeOptions { feature_padding, timestamps: false, ..TranscribeOptions::default() };
+        whisper.transcribe(&pcm, &opts, &mut |_, _| {}).unwrap().text.to_lowercase()
+    };
+    let zeros = read(&mut whisper, FeaturePadding::Zeros);
+    let silence = read(&mut whisper, FeaturePadding::Silence);
+    assert!(zeros.contains("old-sposed"), "{zeros}");
+    assert!(silence.contains("ill-disposed"), "{silence}");
 }

@@ -4,7 +4,7 @@ For each WAV given (16-bit, 16 kHz, mono), writes under OUT:
   features/<name>.f32         faster-whisper's log-mel features of the recording's first window
                               as its encoder sees them (FeatureExtractor, then the segment's
                               content frames, pad_or_trim to 3000): 80 x 3000 little-endian f32
-  features/<name>.openai.f32  OpenAI's `log_mel_spectrogram` (whisper/audio.py: 30 s of zeros
+  features/<name>.openai.f32  OpenAI's first 3000 frames, `log_mel_spectrogram` (whisper/audio.py: 30 s of zeros
                               appended, torch.stft centred with reflect padding, periodic Hann,
                               last frame dropped, log10 floored at 1e-10, max - 8, (x + 4) / 4),
                               here in numpy float64, over the frames that hold audio: 80 x content
@@ -76,10 +76,12 @@ def main():
         segment = pad_or_trim(features[:, : min(3000, content)]).astype("<f4")
         segment.tofile(os.path.join(args.out, "features", name + ".f32"))
         shown = min(3000, content)
-        openai = openai_log_mel(audio, fe.mel_filters)[:, :shown].astype("<f4")
+        # The first window as OpenAI's transcribe() reads it: 3000 frames, those past the
+        # audio the log-mel of the 30 s of silence it appends.
+        openai = openai_log_mel(audio, fe.mel_filters)[:, :3000].astype("<f4")
         openai.tofile(os.path.join(args.out, "features", name + ".openai.f32"))
         out["recordings"][name] = {"samples": int(len(audio)), "content_frames": int(shown),
-                                   "max_difference_faster_whisper_openai": float(np.abs(openai - segment[:, :shown]).max())}
+                                   "max_difference_faster_whisper_openai": float(np.abs(openai[:, :shown] - segment[:, :shown]).max())}
     for model in args.model:
         wm = WhisperModel(os.path.join(args.models, model), device="cpu", compute_type="float32", cpu_threads=2)
         runs = {"greedy": dict(beam_size=1, temperature=0.0)}

@@ -77,6 +77,11 @@ struct Cli {
     /// docs/benchmarks.md measures (tiny.en at beam 5: 5.6% on the LibriVox clips at 2 s, against 4.2%).
     #[arg(long, env = "TERN_WHISPER_PADDING", default_value = "full")]
     whisper_padding: tern_models::whisper::Padding,
+    /// What a Whisper window's features hold past its audio: `zeros` (the default: as
+    /// faster-whisper computes them; transcripts tested equal to its) or `silence` (as OpenAI's
+    /// reference and transformers compute them; word error rates of both in docs/benchmarks.md).
+    #[arg(long, env = "TERN_WHISPER_FEATURE_PADDING", default_value = "zeros")]
+    whisper_feature_padding: tern_models::whisper::FeaturePadding,
     /// Beam size of transcriptions whose input names none: 5 (faster-whisper's default) or
     /// 1 to 16; 1 decodes greedily, several times faster on a CPU.
     #[arg(long, env = "TERN_WHISPER_BEAM_SIZE", default_value_t = tern_models::whisper::DEFAULT_BEAM_SIZE as u64,
@@ -272,6 +277,7 @@ async fn run(matches: clap::ArgMatches) -> anyhow::Result<()> {
             retry: cli.services.queue.retry_policy(),
             max_audio_seconds: cli.services.max_audio_seconds,
             whisper_padding: cli.whisper_padding,
+            whisper_feature_padding: cli.whisper_feature_padding,
             whisper_beam_size: cli.whisper_beam_size as usize,
             output_in_postgres_max_bytes: cli.output_in_postgres_max_bytes,
             record_start_after: Duration::from_millis(cli.record_start_after_ms),

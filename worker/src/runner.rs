@@ -52,6 +52,8 @@ pub struct RunnerSettings {
     pub max_audio_seconds: f64,
     /// How much of a short Whisper window's padding the encoder runs.
     pub whisper_padding: tern_models::whisper::Padding,
+    /// What a Whisper window's features hold past its audio.
+    pub whisper_feature_padding: tern_models::whisper::FeaturePadding,
     /// Beam size of transcriptions whose input names none.
     pub whisper_beam_size: usize,
     /// Largest output kept in Postgres instead of S3 (0: none).
@@ -348,6 +350,7 @@ impl Runner {
             engine: self.engine.as_deref(),
             max_audio_seconds: self.settings.max_audio_seconds,
             whisper_padding: self.settings.whisper_padding,
+            whisper_feature_padding: self.settings.whisper_feature_padding,
             whisper_beam_size: self.settings.whisper_beam_size,
         };
         let timeout = Duration::from_millis(job.timeout_ms.max(1) as u64);

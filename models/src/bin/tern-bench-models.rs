@@ -72,6 +72,10 @@ struct Args {
     /// the audio.
     #[arg(long, default_value = "full")]
     padding: Padding,
+    /// What the features hold past a window's audio: `zeros` (faster-whisper's, the worker's
+    /// default) or `silence` (OpenAI's reference).
+    #[arg(long, default_value = "zeros")]
+    feature_padding: tern_models::whisper::FeaturePadding,
     /// Whisper beam size: 1 decodes greedily; 5 (the default) is the worker's and
     /// faster-whisper's default.
     #[arg(long, default_value_t = tern_models::whisper::DEFAULT_BEAM_SIZE)]
@@ -321,7 +325,7 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         args.padding,
         if args.host_picks || device.is_cpu() { "host" } else { "device" }
     );
-    let opts = TranscribeOptions { padding: args.padding, beam_size: args.beam_size, timestamps: !args.no_timestamps, ..TranscribeOptions::default() };
+    let opts = TranscribeOptions { padding: args.padding, feature_padding: args.feature_padding, beam_size: args.beam_size, timestamps: !args.no_timestamps, ..TranscribeOptions::default() };
     let mut rows = Vec::new();
     let mut alone: Option<Vec<String>> = None;
     for &budget in &args.budgets {

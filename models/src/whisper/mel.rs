@@ -55,6 +55,31 @@ pub(crate) fn mel_filters(n_mels: usize) -> Vec<f32> {
     w
 }
 
+/// What a window's features hold past its audio.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FeaturePadding {
+    /// 0.0, as faster-whisper's `pad_or_trim` fills its features, after the audio's last frame
+    /// (the end reflected, after 160 zeros). The default: tern's transcripts are tested equal
+    /// to faster-whisper's.
+    #[default]
+    Zeros,
+    /// The log-mel of silence, as OpenAI's `transcribe` and transformers' feature extractor
+    /// compute it (the audio followed by 30 s of zeros): frames over the audio's end read
+    /// zeros after it, and frames past it hold the floor, 8 below the loudest frame.
+    Silence,
+}
+
+impl std::str::FromStr for FeaturePadding {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "zeros" => Ok(FeaturePadding::Zeros),
+            "silence" => Ok(FeaturePadding::Silence),
+            other => Err(format!("feature padding is zeros or silence, not {other:?}")),
+        }
+    }
+}
+
 /// Samples of silence faster-whisper appends to a recording before its spectrogram, so its
 /// last frame is whole (its `FeatureExtractor(padding=160)`).
 const END_PADDING: usize = m::HOP_LENGTH;
@@ -68,18 +93,23 @@ pub(crate) fn window_mel(
     pcm: &[f32],
     range: (usize, usize),
     frames: usize,
+    padding: FeaturePadding,
     device: &Device,
 ) -> Result<Tensor> {
     let n_mels = cfg.num_mel_bins;
     let frames = frames.min(m::N_FRAMES);
-    let mel = log_mel(pcm, range, filters, n_mels, frames);
+    let mel = log_mel(pcm, range, filters, n_mels, frames, padding);
     Ok(Tensor::from_vec(mel, (1, n_mels, frames), device)?)
 }
 
 /// Sample `t` of the recording as the reference's centred STFT reads it: the recording with
 /// [`END_PADDING`] zeros appended, reflected (without repeating the edge sample) before its
 /// start and after its end, as numpy's `pad(mode="reflect")` and torch's `stft(center=True)`.
-fn centred_sample(pcm: &[f32], t: isize) -> f32 {
+fn centred_sample(pcm: &[f32], t: isize, padding: FeaturePadding) -> f32 {
+    if padding == FeaturePadding::Silence && t >= pcm.len() as isize {
+        // The recording goes on in zeros (30 s of them): no reflection at its end.
+        return 0.0;
+    }
     let n = (pcm.len() + END_PADDING) as isize;
     let mut t = t;
     // One reflection suffices but for recordings shorter than half the FFT; the loop folds on.
@@ -105,16 +135,27 @@ fn centred_sample(pcm: &[f32], t: isize) -> f32 {
 ///
 /// faster-whisper takes the loudest frame of the whole recording; here it is the window's,
 /// which is the same for recordings of one window.
-pub(crate) fn log_mel(pcm: &[f32], range: (usize, usize), filters: &[f32], n_mels: usize, frames: usize) -> Vec<f32> {
+///
+/// With [`FeaturePadding::Silence`], the frames over the recording's end read zeros after it
+/// (not its reflection), are output while their 400 samples reach into the audio, and the frames
+/// after them hold the floor (`max - 8`), as OpenAI's features of the audio padded with silence.
+pub(crate) fn log_mel(pcm: &[f32], range: (usize, usize), filters: &[f32], n_mels: usize, frames: usize, padding: FeaturePadding) -> Vec<f32> {
     use realfft::RealFftPlanner;
     let n_fft = m::N_FFT;
     let n_bins = n_fft / 2 + 1;
     let hop = m::HOP_LENGTH;
     let (start, end) = (range.0.min(pcm.len()), range.1.min(pcm.len()));
     let audio = (end - start.min(end)) / hop;
-    let content = audio.min(frames);
-    // The frame after the audio at the recording's end counts towards the loudest.
-    let measured = audio + usize::from(end == pcm.len());
+    let at_end = end == pcm.len();
+    let (content, measured) = match padding {
+        // The frame after the audio at the recording's end counts towards the loudest.
+        FeaturePadding::Zeros => (audio.min(frames), audio + usize::from(at_end)),
+        FeaturePadding::Silence => {
+            // At the recording's end, every frame whose window reaches into the audio.
+            let reaching = if at_end { (end - start.min(end) + n_fft / 2).div_ceil(hop) } else { audio };
+            (reaching.min(frames), reaching)
+        }
+    };
     let hann: Vec<f64> = (0..n_fft)
         .map(|i| 0.5 * (1.0 - (2.0 * std::f64::consts::PI * i as f64 / n_fft as f64).cos()))
         .collect();
@@ -140,7 +181,7 @@ pub(crate) fn log_mel(pcm: &[f32], range: (usize, usize), filters: &[f32], n_mel
         let first = (start + i * hop) as isize - (n_fft / 2) as isize;
         let inside = first >= 0 && first as usize + n_fft <= pcm.len();
         for (j, slot) in frame.iter_mut().enumerate() {
-            let x = if inside { pcm[first as usize + j] } else { centred_sample(pcm, first + j as isize) };
+            let x = if inside { pcm[first as usize + j] } else { centred_sample(pcm, first + j as isize, padding) };
             // The reference windows in f32: round the product there too.
             *slot = f64::from((hann[j] as f32) * x);
         }
@@ -156,7 +197,11 @@ pub(crate) fn log_mel(pcm: &[f32], range: (usize, usize), filters: &[f32], n_mel
         }
     }
     let floor = log.iter().copied().fold(f32::NEG_INFINITY, f32::max) - 8.0;
-    let mut mel = vec![0f32; n_mels * frames];
+    let mut mel = match padding {
+        FeaturePadding::Zeros => vec![0f32; n_mels * frames],
+        // Silence's log-mel is log10(1e-10) = -10, clamped to the floor.
+        FeaturePadding::Silence => vec![(floor.max(-10.0) + 4.0) / 4.0; n_mels * frames],
+    };
     for j in 0..n_mels {
         for i in 0..content {
             mel[j * frames + i] = (log[j * measured + i].max(floor) + 4.0) / 4.0;
@@ -188,7 +233,7 @@ mod tests {
     #[test]
     fn samples_outside_the_recording_reflect_after_the_end_padding() {
         let pcm = [1.0f32, 2.0, 3.0, 4.0];
-        let read = |t: isize| centred_sample(&pcm, t);
+        let read = |t: isize| centred_sample(&pcm, t, FeaturePadding::Zeros);
         assert_eq!([read(-3), read(-2), read(-1), read(0), read(3)], [4.0, 3.0, 2.0, 1.0, 4.0]);
         // 4 samples then 160 zeros: index 163 is the last zero, 164 reflects 162 (a zero).
         assert_eq!(read(4), 0.0);
@@ -199,7 +244,7 @@ mod tests {
     fn a_window_holds_a_frame_per_hop_of_audio_and_zeros_after() {
         let filters = mel_filters(80);
         let pcm: Vec<f32> = (0..16_000 * 3 + 77).map(|i| (i as f32 * 0.05).sin() * 0.3).collect();
-        let mel = log_mel(&pcm, (0, pcm.len()), &filters, 80, 3000);
+        let mel = log_mel(&pcm, (0, pcm.len()), &filters, 80, 3000, FeaturePadding::Zeros);
         let content = pcm.len() / 160;
         for j in 0..80 {
             let row = &mel[j * 3000..(j + 1) * 3000];
@@ -209,12 +254,36 @@ mod tests {
         assert!(loudest.is_finite() && loudest > 0.5, "{loudest}");
         // A window cut inside the recording reads the audio across the cut, as the features of
         // the whole recording do: a steady tone gives the same frames either way.
-        let inner = log_mel(&pcm, (16_000, 32_000), &filters, 80, 100);
+        let inner = log_mel(&pcm, (16_000, 32_000), &filters, 80, 100, FeaturePadding::Zeros);
         for j in 0..80 {
             for i in 0..100 {
                 let whole = mel[j * 3000 + 100 + i];
                 assert!((inner[j * 100 + i] - whole).abs() < 1e-3, "mel {j} frame {i}: {} against {whole}", inner[j * 100 + i]);
             }
         }
+    }
+
+    /// Silence padding: the frames past the audio hold the floor, 8 below the loudest, as
+    /// OpenAI's features of the audio followed by zeros; the audio's frames are the same.
+    #[test]
+    fn silence_padding_holds_the_floor_past_the_audio() {
+        let filters = mel_filters(80);
+        let pcm: Vec<f32> = (0..16_000 * 2 + 77).map(|i| (i as f32 * 0.05).sin() * 0.3).collect();
+        let zeros = log_mel(&pcm, (0, pcm.len()), &filters, 80, 3000, FeaturePadding::Zeros);
+        let silence = log_mel(&pcm, (0, pcm.len()), &filters, 80, 3000, FeaturePadding::Silence);
+        let audio = pcm.len() / 160;
+        let loudest = silence.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for j in 0..80 {
+            // Frames whose window lies inside the audio are the same either way.
+            for i in 0..audio - 2 {
+                assert_eq!(silence[j * 3000 + i], zeros[j * 3000 + i], "mel {j} frame {i}");
+            }
+            // Past the frames that reach into the audio: the floor.
+            for i in audio + 3..3000 {
+                assert!((silence[j * 3000 + i] - (loudest - 2.0)).abs() < 1e-5, "mel {j} frame {i}: {}", silence[j * 3000 + i]);
+            }
+        }
+        assert_eq!("silence".parse::<FeaturePadding>(), Ok(FeaturePadding::Silence));
+        assert!("reflect".parse::<FeaturePadding>().is_err());
     }
 }

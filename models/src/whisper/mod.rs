@@ -31,6 +31,7 @@ use tokenizers::Tokenizer;
 
 use decode::Specials;
 pub use decode::DecodeStats;
+pub use mel::FeaturePadding;
 pub use words::Word;
 
 // The cost unit the API prices audio in (tern_audio::windows_for) is Whisper's window.
@@ -67,6 +68,10 @@ pub struct TranscribeOptions {
     /// what the reference computes; [`Padding::DEFAULT_TRIMMED`] is faster and writes other
     /// words (docs/benchmarks.md, "Padding: what trimming costs").
     pub padding: Padding,
+    /// What the features hold past a window's audio. Default [`FeaturePadding::Zeros`], as
+    /// faster-whisper computes them; [`FeaturePadding::Silence`] is OpenAI's reference and
+    /// transformers' (docs/benchmarks.md, "Features past the audio: zeros or silence").
+    pub feature_padding: FeaturePadding,
     /// Text that conditions every window (names, spellings, style), fed before its SOT as
     /// `<|startofprev|>` and the prompt's last 223 tokens, as OpenAI's `initial_prompt`. Windows
     /// decode in parallel, so each gets this prompt rather than the text before it. Default none.
@@ -102,6 +107,7 @@ impl Default for TranscribeOptions {
             task: Task::Transcribe,
             timestamps: true,
             padding: Padding::Full,
+            feature_padding: FeaturePadding::Zeros,
             prompt: None,
             temperature: 0.0,
             beam_size: DEFAULT_BEAM_SIZE,
@@ -638,13 +644,13 @@ impl Whisper {
     }
 
     /// Runs `windows` windows of silence through the encoder and one decoder step of
-    /// `beam_size` hypotheses each (each a decoder row with its own copy of its window's
-    /// cross-attention keys, as in a beam search), picking as a batch picks: the memory a batch
+    /// `beam_size` hypotheses each (each a decoder row attending to its window's cross-attention
+    /// keys, as in a beam search), picking as a batch picks: the memory a batch
     /// of that size needs at its peak. A model that fails here is not fit to serve.
     pub fn warmup(&mut self, windows: usize, beam_size: usize) -> Result<()> {
         let (windows, beams) = (windows.max(1), beam_size.max(1));
         let silence = vec![0f32; m::N_SAMPLES];
-        let mel = mel::window_mel(&self.config, &self.filters, &silence, (0, silence.len()), m::N_FRAMES, &self.device)?;
+        let mel = mel::window_mel(&self.config, &self.filters, &silence, (0, silence.len()), m::N_FRAMES, FeaturePadding::Zeros, &self.device)?;
         let mels = candle_core::Tensor::cat(&vec![mel; windows], 0)?;
         let features = self.encoder.forward(&mels, None)?;
         drop(mels);
@@ -673,7 +679,7 @@ impl Whisper {
     /// with a reference implementation's, before any rule picks a token.
     pub fn prompt_logits(&self, pcm: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
         let first = window_cuts(pcm)[0];
-        let mel = mel::window_mel(&self.config, &self.filters, pcm, first, m::N_FRAMES, &self.device)?;
+        let mel = mel::window_mel(&self.config, &self.filters, pcm, first, m::N_FRAMES, FeaturePadding::Zeros, &self.device)?;
         let features = self.encoder.forward(&mel, None)?;
         let cross = self.decoder.cross_kv(&features, None)?;
         let input = candle_core::Tensor::from_vec(tokens.to_vec(), (1, tokens.len()), &self.device)?;
@@ -683,10 +689,11 @@ impl Whisper {
 
     /// The log-mel features of a recording's first window as the encoder sees it under
     /// [`Padding::Full`]: `n_mels x 3000` row-major (80 or 128 mels), the frames past the
-    /// window's audio 0.0. Those of faster-whisper, for the parity test.
-    pub fn features(&self, pcm: &[f32]) -> Vec<f32> {
+    /// window's audio as `padding` fills them: faster-whisper's ([`FeaturePadding::Zeros`]) or
+    /// OpenAI's, for the parity test.
+    pub fn features(&self, pcm: &[f32], padding: FeaturePadding) -> Vec<f32> {
         let first = window_cuts(pcm)[0];
-        mel::log_mel(pcm, first, &self.filters, self.config.num_mel_bins, m::N_FRAMES)
+        mel::log_mel(pcm, first, &self.filters, self.config.num_mel_bins, m::N_FRAMES, padding)
     }
 
     /// Whether the model handles languages other than English (and language detection).
@@ -1164,8 +1171,8 @@ impl Whisper {
             let mels = rows
                 .par_iter()
                 .map(|&r| {
-                    let pcm = &input_of(inputs, works[r].input).pcm;
-                    mel::window_mel(config, filters, pcm, works[r].range, 2 * positions[r], device)
+                    let input = input_of(inputs, works[r].input);
+                    mel::window_mel(config, filters, &input.pcm, works[r].range, 2 * positions[r], input.options.feature_padding, device)
                 })
                 .collect::<Result<Vec<_>>>()?;
             // The places in the group of the windows that decode, in order: the cross-attention's

@@ -19,7 +19,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         Err(stopped_or_failed) => return stopped_or_failed,
     };
     let windows = job.input.get("windows").and_then(Value::as_bool).unwrap_or(false);
-    let options = TranscribeOptions { padding: ctx.whisper_padding, embed: true, ..TranscribeOptions::default() };
+    let options = TranscribeOptions { padding: ctx.whisper_padding, feature_padding: ctx.whisper_feature_padding, embed: true, ..TranscribeOptions::default() };
     // Windows of an embedding finish without text: nothing to report as they go.
     let (progress, _) = tokio::sync::mpsc::unbounded_channel::<TranscribeProgress>();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -54,6 +54,8 @@ pub struct Context<'a> {
     pub max_audio_seconds: f64,
     /// How much of a short Whisper window's padding the encoder runs.
     pub whisper_padding: tern_models::whisper::Padding,
+    /// What a Whisper window's features hold past its audio (`TERN_WHISPER_FEATURE_PADDING`).
+    pub whisper_feature_padding: tern_models::whisper::FeaturePadding,
     /// Beam size of transcriptions whose input names none (`TERN_WHISPER_BEAM_SIZE`).
     pub whisper_beam_size: usize,
 }

@@ -63,6 +63,7 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
         task: if input.get("task").and_then(Value::as_str) == Some("translate") { Task::Translate } else { Task::Transcribe },
         timestamps: input.get("timestamps").and_then(Value::as_bool).unwrap_or(true),
         padding: ctx.whisper_padding,
+        feature_padding: ctx.whisper_feature_padding,
         prompt: input.get("prompt").and_then(Value::as_str).map(str::to_string),
         temperature: input.get("temperature").and_then(Value::as_f64).unwrap_or(0.0),
         beam_size: input.get("beam_size").and_then(Value::as_u64).map_or(ctx.whisper_beam_size, |b| b as usize),
