@@ -64,8 +64,9 @@ struct Args {
     /// Length of the long recording, seconds.
     #[arg(long, default_value_t = 120.0)]
     long_seconds: f64,
-    /// Writes the long recording's transcript here, and the words it was scored against beside
-    /// it (`FILE.reference`), at each budget in turn (the last one stays): where the errors are.
+    /// Writes the long recording's transcript here, the words it was scored against beside it
+    /// (`FILE.reference`) and its segments (`FILE.segments`: start, end, text), at each budget
+    /// in turn (the last one stays): where the errors are.
     #[arg(long)]
     long_text: Option<std::path::PathBuf>,
     /// Whisper padding of short windows: `full` (the worker's default) or seconds kept after
@@ -353,11 +354,14 @@ fn transcribe(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         let t = Instant::now();
         let long_out = whisper.transcribe_many(&[(long.as_slice(), &opts)], budget, &|_| false, &mut |_, _| {});
         let long_secs = t.elapsed().as_secs_f64();
-        let long_text = long_out.into_iter().next().context("one result")?.map_err(|e| anyhow::anyhow!("{e:#}"))?.text;
+        let long_transcript = long_out.into_iter().next().context("one result")?.map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        let long_text = long_transcript.text.clone();
         let long_wer = word_errors(&long_words, &words(&long_text)) as f64 / long_words.len().max(1) as f64;
         if let Some(path) = &args.long_text {
             std::fs::write(path, &long_text)?;
             std::fs::write(path.with_extension("reference"), long_words.join(" "))?;
+            let segments: Vec<String> = long_transcript.segments.iter().map(|s| format!("{:.2}\t{:.2}\t{}", s.start, s.end, s.text.trim())).collect();
+            std::fs::write(path.with_extension("segments"), segments.join("\n"))?;
         }
         rows.push((budget, short_seconds / short_secs, 100.0 * errors as f64 / total as f64, differ, long_seconds / long_secs, 100.0 * long_wer));
     }
