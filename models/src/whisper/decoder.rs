@@ -293,7 +293,10 @@ impl Decoder {
         // `None` where the CPU lacks AVX-512 BF16.
         let logits_bf16 = if bf16_products { Bf16Linear::pack(&embed_tokens, None)? } else { None };
         let embed_tokens = if embeddings_in_f16 { embed_tokens.to_dtype(DType::F16)? } else { embed_tokens };
-        let product = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { Ok(l) };
+        // In F32 on the CPU the weights are kept transposed: gemm then runs a step's few rows
+        // against them with its wide kernel (candle's product of the weights and the rows'
+        // transpose ran its narrowest, a sixteenth of a vector per five rows).
+        let product = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { l.in_f32_transposed() };
         // The cross-attention keys and values take a window's frames, many rows: in F32 on the
         // CPU their weights are kept transposed for that.
         let many_rows = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { l.in_f32_transposed() };
