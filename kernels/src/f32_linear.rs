@@ -17,10 +17,6 @@ use crate::cpu_ops::{rows_per_task, OutPtr};
 /// slower on two threads than on one).
 pub const FEW_ROWS: usize = 128;
 
-/// Queries one attention task scores at once: 64 queries x 1,500 keys of scores is 375 KB,
-/// which stays in a core's cache.
-const QUERIES_PER_TASK: usize = 64;
-
 /// What a product adds besides the bias.
 #[derive(Clone, Copy)]
 pub enum Residual<'a> {
@@ -112,51 +108,87 @@ pub fn rows_times_transposed(x: &[f32], c_in: usize, w_t: &[f32], c_out: usize, 
 /// Softmax attention over plain slices: `q`, `k`, `v` and `out` are rows of `d` values, the
 /// heads side by side (`d / heads` each), queries already scaled; sequence `i` is the
 /// `spans[i].1` rows from row `spans[i].0` and attends over its own rows only. The rows of
-/// `out` in the spans are written, the others left as they are. Each task takes one (sequence,
-/// head, block of queries) with its scores in cache, and gemm reads the heads in place through
-/// strides. Panics where a span leaves the rows.
+/// `out` in the spans are written, the others left as they are ([`attend_blocks`], 64 queries a
+/// task: 64 x 1,500 keys of scores is 375 KB, which stays in a core's cache). Panics where a
+/// span leaves the rows.
 pub fn attend_spans_f32(q: &[f32], k: &[f32], v: &[f32], d: usize, heads: usize, spans: &[(usize, usize)], out: &mut [f32]) {
-    let rows = q.len() / d.max(1);
-    assert!(d % heads == 0 && k.len() == q.len() && v.len() == q.len() && out.len() == q.len(), "attention over rows of {d} in {heads} heads");
-    assert!(spans.iter().all(|&(from, n)| from + n <= rows), "sequences {spans:?} over {rows} rows");
+    assert!(k.len() == q.len(), "self-attention: as many keys as queries");
+    let sequences: Vec<((usize, usize), (usize, usize))> = spans.iter().map(|&span| (span, span)).collect();
+    attend_blocks(q, k, v, d, heads, &sequences, 1.0, false, 64, out);
+}
+
+/// Softmax attention over plain slices, one task per (sequence, head, block of
+/// `queries_per_task` queries) with its scores in cache, gemm reading the heads in place through
+/// strides. `q` and `out` are rows of `d` values, `k` and `v` rows of `d` too (as many as the
+/// sequences need: the queries' own rows for self-attention, a context's for cross-attention),
+/// the heads side by side (`d / heads` each). Sequence `i` is `sequences[i] = ((first query row,
+/// queries), (first key row, keys))`; its scores are `scale` times the products. `causal`: query
+/// `j` of a sequence weighs its keys `0..=j` only, the others weight 0 exactly. The query rows
+/// of `out` in the sequences are written, the others left as they are. Panics where a sequence
+/// leaves the rows.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_blocks(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d: usize,
+    heads: usize,
+    sequences: &[((usize, usize), (usize, usize))],
+    scale: f32,
+    causal: bool,
+    queries_per_task: usize,
+    out: &mut [f32],
+) {
+    let (q_rows, k_rows) = (q.len() / d.max(1), k.len() / d.max(1));
+    assert!(d % heads == 0 && v.len() == k.len() && out.len() == q.len() && queries_per_task > 0, "attention over rows of {d} in {heads} heads");
+    assert!(
+        sequences.iter().all(|&((qf, n), (kf, m))| qf + n <= q_rows && kf + m <= k_rows),
+        "sequences {sequences:?} over {q_rows} query rows and {k_rows} key rows"
+    );
     let hd = d / heads;
     let d_s = d as isize;
-    let tasks: Vec<(usize, usize, usize)> = spans
+    let tasks: Vec<(usize, usize, usize)> = sequences
         .iter()
-        .flat_map(|&(from, n)| (0..heads).flat_map(move |h| (0..n).step_by(QUERIES_PER_TASK).map(move |q0| (from, n, h * hd + q0 * d))))
+        .enumerate()
+        .flat_map(|(s, &((_, n), _))| (0..heads).flat_map(move |head| (0..n).step_by(queries_per_task).map(move |q0| (s, head, q0))))
         .collect();
-    let longest = spans.iter().map(|&(_, n)| n).max().unwrap_or(0);
+    let longest = sequences.iter().map(|&(_, (_, m))| m).max().unwrap_or(0);
     let dst = OutPtr(out.as_mut_ptr());
     tasks.into_par_iter().for_each_init(
-        || vec![0f32; QUERIES_PER_TASK * longest],
-        |scores, (from, n, offset)| {
-            // `offset`: the head's column plus the block's first query row, within the span.
-            let (head, q0) = (offset % d, offset / d);
-            let m = QUERIES_PER_TASK.min(n - q0);
-            let (keys, queries) = (from * d + head, (from + q0) * d + head);
-            let n_s = n as isize;
-            // SAFETY: every pointer and stride stays inside its buffer: a head spans rows
-            // `from..from + n <= rows` and columns `head..head + hd` of rows `d` apart;
-            // `scores` holds QUERIES_PER_TASK x longest >= m x n.
+        || vec![0f32; queries_per_task * longest],
+        |scores, (s, head, q0)| {
+            let ((qf, n), (kf, m)) = sequences[s];
+            let rows = queries_per_task.min(n - q0);
+            let scores = &mut scores[..rows * m];
+            let (q_at, kv_at) = ((qf + q0) * d + head * hd, kf * d + head * hd);
+            // SAFETY: the block's queries are `rows` rows of `hd` values, `d` apart, from q_at
+            // (inside q); the head's keys and values `m` such rows from kv_at (inside k and v);
+            // `scores` holds rows x m; this task alone writes its queries' rows of this head.
             unsafe {
-                // scores (m x n) = q_block (m x hd) . k_headᵀ (hd x n)
+                // scores (rows x m) = scale * q_block (rows x hd) . k_headᵀ (hd x m)
                 gemm::gemm(
-                    m, n, hd, scores.as_mut_ptr(), 1, n_s, false,
-                    q.as_ptr().add(queries), 1, d_s,
-                    k.as_ptr().add(keys), d_s, 1,
-                    0.0, 1.0, false, false, false, gemm::Parallelism::None,
+                    rows, m, hd, scores.as_mut_ptr(), 1, m as isize, false,
+                    q.as_ptr().add(q_at), 1, d_s,
+                    k.as_ptr().add(kv_at), d_s, 1,
+                    0.0, scale, false, false, false, gemm::Parallelism::None,
                 );
             }
-            for row in scores[..m * n].chunks_exact_mut(n) {
-                cpu_kernels::softmax_in_place(row);
+            for (i, row) in scores.chunks_exact_mut(m).enumerate() {
+                if causal {
+                    let (seen, unseen) = row.split_at_mut((q0 + i + 1).min(m));
+                    cpu_kernels::softmax_in_place(seen);
+                    unseen.fill(0.0);
+                } else {
+                    cpu_kernels::softmax_in_place(row);
+                }
             }
-            // SAFETY: as above; this task alone writes this block's rows of this head in `out`.
+            // SAFETY: as above.
             unsafe {
-                // out_block (m x hd) = scores (m x n) . v_head (n x hd)
+                // out_block (rows x hd) = scores (rows x m) . v_head (m x hd)
                 gemm::gemm(
-                    m, hd, n, dst.at(queries), 1, d_s, false,
-                    scores.as_ptr(), 1, n_s,
-                    v.as_ptr().add(keys), 1, d_s,
+                    rows, hd, m, dst.at(q_at), 1, d_s, false,
+                    scores.as_ptr(), 1, m as isize,
+                    v.as_ptr().add(kv_at), 1, d_s,
                     0.0, 1.0, false, false, false, gemm::Parallelism::None,
                 );
             }

@@ -84,24 +84,25 @@ impl Linear {
     /// This layer with its weights packed for BF16 products where the CPU runs them
     /// ([`tern_kernels::bf16_gemm::available`]), else unchanged.
     pub(crate) fn in_bf16(self) -> Result<Linear> {
-        let Weight::F32(weight) = &self.weight else {
-            return Ok(self);
-        };
-        match Bf16Linear::pack(weight, self.bias.as_ref())? {
-            Some(packed) => Ok(Linear { weight: Weight::Bf16(packed), bias: self.bias }),
-            None => Ok(self),
-        }
+        self.repacked(|weight, bias| Ok(Bf16Linear::pack(weight, bias)?.map(Weight::Bf16)))
     }
 
-    /// This layer with its weights kept transposed for many-row F32 products on the CPU
-    /// ([`Linear::transposed`]), where they are F32 on the CPU; else unchanged. For layers
-    /// that take many rows (an encoder's frames): a few rows are faster as `(W xᵀ)ᵀ`.
+    /// This layer with its weights kept transposed for F32 products on the CPU
+    /// ([`Linear::transposed`], [`tern_kernels::f32_linear`]), where they are F32 on the CPU;
+    /// else unchanged. gemm runs many rows (an encoder's frames) and a decoding step's few rows
+    /// alike on its wide kernel over them.
     pub(crate) fn in_f32_transposed(self) -> Result<Linear> {
+        self.repacked(|weight, bias| Ok(TransposedF32::new(weight, bias)?.map(Weight::Transposed)))
+    }
+
+    /// This layer with its F32 weights (and bias) repacked by `pack`; unchanged where they are
+    /// packed already or `pack` declines (`None`).
+    fn repacked(self, pack: impl FnOnce(&Tensor, Option<&Tensor>) -> Result<Option<Weight>>) -> Result<Linear> {
         let Weight::F32(weight) = &self.weight else {
             return Ok(self);
         };
-        match TransposedF32::new(weight, self.bias.as_ref())? {
-            Some(t) => Ok(Linear { weight: Weight::Transposed(t), bias: self.bias }),
+        match pack(weight, self.bias.as_ref())? {
+            Some(weight) => Ok(Linear { weight, bias: self.bias }),
             None => Ok(self),
         }
     }

@@ -18,7 +18,7 @@ use candle_nn::VarBuilder;
 use gemm::Parallelism;
 use rayon::prelude::*;
 use tern_kernels::cpu_kernels;
-use tern_kernels::cpu_ops::{rows_per_task, OutPtr};
+use tern_kernels::cpu_ops::rows_per_task;
 use tern_kernels::f32_linear::{self, Residual};
 
 use super::layers::{on_cpu_f32, values, GroupNorm};
@@ -208,58 +208,14 @@ impl Attention {
 
 /// Softmax attention of `b` sequences' queries `q` (rows of `dim`, heads side by side) over their
 /// own keys `k` and values `v` (rows of `dim`, as many per sequence as `k.len() / b / dim`),
-/// scaled by `1/√head_dim`: one task per (sequence, head, block of queries), its scores in
-/// cache. `causal`: query `i` weighs keys `0..=i` only (CLIP's text encoder), the others get
+/// scaled by `1/√head_dim`: one task per (sequence, head, block of 128 queries), its scores in
+/// cache ([`f32_linear::attend_blocks`]). `causal`: query `i` weighs keys `0..=i` only (CLIP's text encoder), the others get
 /// weight 0 exactly, as the reference's additive mask of the dtype's minimum gives them.
 pub(super) fn attention(q: &[f32], k: &[f32], v: &[f32], b: usize, dim: usize, heads: usize, causal: bool) -> Vec<f32> {
     let (n, m, hd) = (q.len() / b / dim, k.len() / b / dim, dim / heads);
-    let scale = 1.0 / (hd as f32).sqrt();
+    let sequences: Vec<((usize, usize), (usize, usize))> = (0..b).map(|i| ((i * n, n), (i * m, m))).collect();
     let mut out = vec![0f32; q.len()];
-    let dst = OutPtr(out.as_mut_ptr());
-    let blocks = n.div_ceil(QUERIES_PER_TASK);
-    (0..b * heads * blocks).into_par_iter().for_each_init(
-        || vec![0f32; QUERIES_PER_TASK * m],
-        |scores, task| {
-            let (image, head, block) = (task / (heads * blocks), task / blocks % heads, task % blocks);
-            let (from, rows) = (block * QUERIES_PER_TASK, QUERIES_PER_TASK.min(n - block * QUERIES_PER_TASK));
-            let scores = &mut scores[..rows * m];
-            let q_at = (image * n + from) * dim + head * hd;
-            let kv_at = image * m * dim + head * hd;
-            // SAFETY: the head's queries are `rows` rows of `hd` values, `dim` apart, from q_at
-            // (inside q); its keys and values `m` such rows from kv_at (inside k and v);
-            // `scores` holds rows x m; this task alone writes its queries' rows of this head.
-            unsafe {
-                // scores (rows x m) = scale * q_block (rows x hd) . k_headᵀ (hd x m)
-                gemm::gemm(
-                    rows, m, hd,
-                    scores.as_mut_ptr(), 1, m as isize, false,
-                    q.as_ptr().add(q_at), 1, dim as isize,
-                    k.as_ptr().add(kv_at), dim as isize, 1,
-                    0.0, scale, false, false, false, Parallelism::None,
-                );
-            }
-            for (i, row) in scores.chunks_exact_mut(m).enumerate() {
-                if causal {
-                    let (seen, unseen) = row.split_at_mut((from + i + 1).min(m));
-                    cpu_kernels::softmax_in_place(seen);
-                    unseen.fill(0.0);
-                } else {
-                    cpu_kernels::softmax_in_place(row);
-                }
-            }
-            // SAFETY: as above.
-            unsafe {
-                // out_block (rows x hd) = scores (rows x m) . v_head (m x hd)
-                gemm::gemm(
-                    rows, hd, m,
-                    dst.at(q_at), 1, dim as isize, false,
-                    scores.as_ptr(), 1, m as isize,
-                    v.as_ptr().add(kv_at), 1, dim as isize,
-                    0.0, 1.0, false, false, false, Parallelism::None,
-                );
-            }
-        },
-    );
+    f32_linear::attend_blocks(q, k, v, dim, heads, &sequences, 1.0 / (hd as f32).sqrt(), causal, QUERIES_PER_TASK, &mut out);
     out
 }
 

@@ -297,9 +297,6 @@ impl Decoder {
         // against them with its wide kernel (candle's product of the weights and the rows'
         // transpose ran its narrowest, a sixteenth of a vector per five rows).
         let product = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { l.in_f32_transposed() };
-        // The cross-attention keys and values take a window's frames, many rows: in F32 on the
-        // CPU their weights are kept transposed for that.
-        let many_rows = |l: Linear| if logits_bf16.is_some() { l.in_bf16() } else { l.in_f32_transposed() };
         let embed_positions = vb.get(
             (cfg.max_target_positions, n_state),
             "embed_positions.weight",
@@ -310,10 +307,7 @@ impl Decoder {
                 Ok(Layer {
                     self_attn: Attention::load(n_state, vb.pp("self_attn"))?.products(product)?,
                     self_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("self_attn_layer_norm"))?,
-                    cross_attn: {
-                        let a = Attention::load(n_state, vb.pp("encoder_attn"))?.products(product)?;
-                        Attention { k: many_rows(a.k)?, v: many_rows(a.v)?, ..a }
-                    },
+                    cross_attn: Attention::load(n_state, vb.pp("encoder_attn"))?.products(product)?,
                     cross_ln: layer_norm(n_state, LAYER_NORM_EPS, vb.pp("encoder_attn_layer_norm"))?,
                     fc1: product(linear(n_state, 4 * n_state, vb.pp("fc1"))?)?,
                     fc2: product(linear(4 * n_state, n_state, vb.pp("fc2"))?)?,

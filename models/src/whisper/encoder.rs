@@ -377,11 +377,7 @@ impl Encoder {
         let eps = LAYER_NORM_EPS as f32;
         let task = rows_per_task(d) * d;
         let layer_norm = |ln: &LayerNorm, x: &[f32], out: &mut [f32]| -> Result<()> {
-            let gamma = ln.weight().to_vec1::<f32>()?;
-            let beta = match ln.bias() {
-                Some(b) => b.to_vec1::<f32>()?,
-                None => vec![0.0; d],
-            };
+            let (gamma, beta) = norm_params(ln, d)?;
             out.par_chunks_mut(task).zip(x.par_chunks(task)).for_each(|(dst, src)| {
                 for (dst, row) in dst.chunks_exact_mut(d).zip(src.chunks_exact(d)) {
                     cpu_kernels::layer_norm(dst, row, &gamma, &beta, eps);
@@ -431,13 +427,7 @@ impl Encoder {
         fn packed(l: &Linear) -> Result<&Bf16Linear> {
             l.packed().ok_or_else(|| candle_core::Error::Msg("BF16 products expected".into()))
         }
-        let norm = |ln: &LayerNorm| -> Result<(Vec<f32>, Vec<f32>)> {
-            let beta = match ln.bias() {
-                Some(b) => b.to_vec1::<f32>()?,
-                None => vec![0.0; d],
-            };
-            Ok((ln.weight().to_vec1::<f32>()?, beta))
-        };
+        let norm = |ln: &LayerNorm| norm_params(ln, d);
         let Some(first) = self.blocks.first() else { return Ok(()) };
         let hidden = packed(&first.fc1)?.d_out();
         let (pairs, hidden_pairs) = (d.div_ceil(2), hidden.div_ceil(2));
@@ -477,6 +467,15 @@ impl Encoder {
         }
         Ok(())
     }
+}
+
+/// A layer norm's scale and shift over `d` values (a shift of zeros where it has none).
+fn norm_params(ln: &LayerNorm, d: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    let beta = match ln.bias() {
+        Some(b) => b.to_vec1::<f32>()?,
+        None => vec![0.0; d],
+    };
+    Ok((ln.weight().to_vec1::<f32>()?, beta))
 }
 
 /// Layer norm of each row of `x` (`d` values) into BF16 pairs, on every core.
