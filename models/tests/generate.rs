@@ -56,7 +56,7 @@ fn llm() -> Option<&'static Llm> {
 fn capital_question() -> Prompt {
     Prompt::Chat(vec![ChatMessage {
         role: "user".into(),
-        content: "What is the capital of France?".into(),
+        content: "What is the capital of France? Answer with one word.".into(),
     }])
 }
 

@@ -165,7 +165,7 @@ def main():
                  lambda: client.embeddings.create(model="x", input="a", dimensions=128), 400, "dimensions_unsupported", "dimensions")
 
     # Chat, plain and streamed: greedy, so the same text.
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
     chat = client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=16, temperature=0)
     answer = chat.choices[0].message.content
     check("chat completion", bool(answer) and chat.choices[0].finish_reason in ("stop", "length")

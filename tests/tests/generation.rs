@@ -27,11 +27,11 @@ async fn generation_is_deterministic_and_stops_where_asked() {
         json!({"kind": "generate", "input": {"messages": story, "temperature": 0.8, "seed": 7, "max_tokens": 40}}),
         json!({"kind": "generate", "input": {"messages": story, "temperature": 0.8, "seed": 7, "max_tokens": 40}}),
         // 2: greedy answer that ends at <|im_end|>.
-        json!({"kind": "generate", "input": {"messages": chat("What is the capital of France?"), "temperature": 0, "max_tokens": 64}}),
+        json!({"kind": "generate", "input": {"messages": chat("What is the capital of France? Answer with one word."), "temperature": 0, "max_tokens": 64}}),
         // 3: max_tokens.
         json!({"kind": "generate", "input": {"messages": story, "temperature": 0, "max_tokens": 5}}),
         // 4: the greedy answer of 2, cut at a stop sequence.
-        json!({"kind": "generate", "input": {"messages": chat("What is the capital of France?"), "temperature": 0, "max_tokens": 64, "stop": ["Paris"]}}),
+        json!({"kind": "generate", "input": {"messages": chat("What is the capital of France? Answer with one word."), "temperature": 0, "max_tokens": 64, "stop": ["Paris"]}}),
         // 5: a raw prompt.
         json!({"kind": "generate", "input": {"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 8}}),
     ];
@@ -137,7 +137,7 @@ async fn a_short_job_submitted_while_a_long_one_decodes_joins_it_and_finishes_fi
         assert!(started.elapsed() < Duration::from_secs(120), "the long job never started: {job}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let short = json!({"kind": "generate", "input": {"messages": chat("What is the capital of France?"), "temperature": 0, "max_tokens": 8}});
+    let short = json!({"kind": "generate", "input": {"messages": chat("What is the capital of France? Answer with one word."), "temperature": 0, "max_tokens": 8}});
     let short_id = cluster.submit_all(&[short]).await.unwrap()[0];
     cluster.wait_terminal(&[long_id, short_id], Duration::from_secs(180)).await.unwrap();
     let long_out = finished(&cluster, long_id).await;

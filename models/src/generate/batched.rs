@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 use tern_kernels::cpu_ops::softmax_last_dim;
 
-use super::llama::Config;
+use super::architecture::{Architecture, Config};
 use super::WeightLayout;
 
 #[cfg(feature = "cuda")]
@@ -233,7 +233,13 @@ impl BatchedLlama {
         positions: usize,
         layout: WeightLayout,
     ) -> Result<Option<BatchedLlama>> {
-        let Some(cfg) = Config::from_gguf(content)? else { return Ok(None) };
+        // Plain llama blocks only: other architectures, partial or scaled rotary embeddings
+        // go elsewhere.
+        let Ok(cfg) = Config::from_gguf(content) else { return Ok(None) };
+        let plain = cfg.arch == Architecture::Llama && cfg.rotated == cfg.head_dim && cfg.rope_scale == 1.0 && !content.tensor_infos.contains_key("rope_freqs.weight") && cfg.head_dim % 2 == 0;
+        if !plain {
+            return Ok(None);
+        }
         let mut tensor = |name: &str| content.tensor(reader, name, device).with_context(|| format!("reading {name}"));
         let matrix = |t: QTensor| -> Result<Matrix> {
             Ok(match layout {
@@ -265,7 +271,7 @@ impl BatchedLlama {
             (false, WeightLayout::Quantized) => matrix(embedding_table)?,
         };
         let norm = norm(tensor("output_norm.weight")?)?;
-        let (cos, sin) = cfg.rotary_tables(positions);
+        let (cos, sin) = cfg.rotary_tables(positions, false);
         let half = cfg.head_dim / 2;
         let batched = BatchedLlama {
             cos: Tensor::from_vec(cos, (positions, half), device)?,

@@ -50,7 +50,7 @@ impl Family for LlmFamily {
             flag: "llm-model",
             env: "TERN_LLM_MODEL",
             default: Some("smollm2-135m-instruct"),
-            help: "Language model for `generate` jobs: a folder holding `model.gguf` (llama architecture) under the models directory, or a hub id `hf:OWNER/NAME/FILE.gguf`",
+            help: "Language model for `generate` jobs: a folder holding `model.gguf` (llama, qwen2, qwen3, phi3 or gemma3 architecture) under the models directory, or a hub id `hf:OWNER/NAME/FILE.gguf`",
         }
     }
 
@@ -107,11 +107,18 @@ impl FamilyModel for Llm {
         Ok((g.prompt_tokens + g.completion_tokens) as u64)
     }
 
+    /// Asks for the capital of France as a conversation, and, where the answer does not name
+    /// Paris, as a text to complete: base models (Gemma 3 270M) do not chat.
     fn check_health(&mut self) -> Result<()> {
-        let prompt = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "What is the capital of France? Answer with one word.".into() }]);
         let opts = GenerateOptions { max_tokens: 16, temperature: 0.0, ..Default::default() };
-        let g = self.generate(&prompt, &opts, &mut |_, _| true)?;
-        ensure!(g.text.to_lowercase().contains("paris"), "asked for the capital of France, answered {:?}", g.text);
+        let chat = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "What is the capital of France? Answer with one word.".into() }]);
+        let answer = self.generate(&chat, &opts, &mut |_, _| true)?.text;
+        if answer.to_lowercase().contains("paris") {
+            return Ok(());
+        }
+        let completion = Prompt::Text("Question: What is the capital of France?\nAnswer:".into());
+        let completed = self.generate(&completion, &opts, &mut |_, _| true)?.text;
+        ensure!(completed.to_lowercase().contains("paris"), "asked for the capital of France, answered {answer:?} in a chat and {completed:?} as a completion");
         Ok(())
     }
 

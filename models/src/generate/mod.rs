@@ -1,9 +1,9 @@
-//! Text generation with SmolLM2-135M-Instruct (or another small llama-architecture GGUF with a
-//! GPT-2 style byte-level BPE vocabulary) on candle.
+//! Text generation with GGUF language models: SmolLM2 and Llama (2, 3), Qwen2/2.5, Qwen3, Phi-3
+//! and Gemma 3 ([`architecture`]).
 //!
-//! Everything needed comes from the one `.gguf` file: the weights go to candle's
-//! `quantized_llama`, and the tokenizer is rebuilt from the `tokenizer.ggml.*` metadata, since
-//! the shipped model has no `tokenizer.json`. No network access is needed at run time.
+//! Everything needed comes from the one `.gguf` file: the weights, the tokenizer (rebuilt from
+//! the `tokenizer.ggml.*` metadata, [`vocabulary`]) and the chat template ([`chat_template`]).
+//! No network access is needed at run time.
 //!
 //! [`Llm::generate`] runs one request at a time on a private copy of the model state, so an
 //! [`Llm`] can be shared between threads and each request starts from an empty KV cache.
@@ -14,25 +14,26 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 
+mod architecture;
 mod batched;
+mod chat_template;
+mod cpu_pass;
 pub mod family;
-mod llama;
 pub mod sampling;
+mod vocabulary;
+use architecture::{Architecture, Config};
 use batched::BatchedLlama;
-use llama::{Llama, Segment};
+use chat_template::ChatTemplate;
+use cpu_pass::{CpuPass, Segment};
 use sampling::{pick_tokens, RowSettings, Sampler};
 use serde::{Deserialize, Serialize};
-use tokenizers::models::bpe::{Vocab, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, Tokenizer};
+use vocabulary::Vocabulary;
 
 /// Default for [`GenerateOptions::max_tokens`].
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -155,12 +156,12 @@ pub struct ChatMessage {
 /// What to continue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
-    /// Raw text, tokenised as is (no template, no BOS: SmolLM2 adds none). Special tokens
+    /// Raw text, tokenised as is, after the BOS token where the model's metadata asks for one
+    /// (`tokenizer.ggml.add_bos_token`: Gemma, Llama; not SmolLM2 or Qwen). Special tokens
     /// written in it, such as `<|im_start|>`, are recognised as such.
     Text(String),
-    /// A conversation, rendered with the model's ChatML template and followed by
-    /// `<|im_start|>assistant\n`. As in the model's own template, a default system message is
-    /// put first when the first message is not a system message. Must not be empty.
+    /// A conversation, rendered with the model's chat template (`tokenizer.chat_template`, or
+    /// its architecture's published one) with the assistant's turn opened. Must not be empty.
     Chat(Vec<ChatMessage>),
 }
 
@@ -180,8 +181,8 @@ impl Prompt {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
-    /// The model ended its answer (`<|im_end|>` or the end-of-sequence token) or a stop
-    /// sequence matched.
+    /// The model ended its answer (an end-of-turn or end-of-sequence token) or a stop sequence
+    /// matched.
     Stop,
     /// `max_tokens` tokens were generated.
     Length,
@@ -194,8 +195,8 @@ pub struct Generation {
     pub text: String,
     /// Tokens in the rendered prompt.
     pub prompt_tokens: usize,
-    /// Tokens generated, not counting the end token (`<|im_end|>`/EOS), which is not part of
-    /// the text. A token that completed a stop sequence is counted.
+    /// Tokens generated, not counting the end token (end of turn or sequence), which is not
+    /// part of the text. A token that completed a stop sequence is counted.
     pub completion_tokens: usize,
     /// Why generation ended.
     pub finish_reason: FinishReason,
@@ -228,27 +229,34 @@ pub enum GenerateError {
     /// The progress callback asked to stop. Code `canceled`.
     #[error("generation was canceled")]
     Canceled,
+    /// The model's chat template refuses the conversation (Gemma's, for roles that do not
+    /// alternate user/assistant). Code `invalid_messages`.
+    #[error("{0}")]
+    InvalidMessages(String),
 }
 
 impl GenerateError {
     /// Stable machine-readable code: `prompt_empty`, `context_length_exceeded`,
-    /// `invalid_options` or `canceled`.
+    /// `invalid_options`, `canceled` or `invalid_messages`.
     pub fn code(&self) -> &'static str {
         match self {
             GenerateError::EmptyPrompt => "prompt_empty",
             GenerateError::ContextOverflow { .. } => "context_length_exceeded",
             GenerateError::InvalidOptions(_) => "invalid_options",
             GenerateError::Canceled => "canceled",
+            GenerateError::InvalidMessages(_) => "invalid_messages",
         }
     }
 }
 
-/// A loaded model with its tokenizer.
+/// A loaded model with its tokenizer and chat template.
 pub struct Llm {
     weights: Weights,
-    tokenizer: Tokenizer,
+    vocabulary: Vocabulary,
+    template: ChatTemplate,
     device: Device,
-    /// Tokens that end the answer: `<|im_end|>` and the metadata's EOS.
+    /// Tokens that end the answer: the metadata's EOS and end-of-turn tokens
+    /// ([`Vocabulary::end_ids`]).
     end_ids: Vec<u32>,
     context_length: usize,
     weights_bytes: u64,
@@ -303,8 +311,8 @@ pub struct FusedStepCheck {
 
 /// The forward pass that serves a model.
 enum Weights {
-    /// tern's own, on the CPU over the file's quantized blocks (see [`llama`]).
-    Tern(Llama),
+    /// tern's own, on the CPU over the file's quantized blocks (see [`cpu_pass`]).
+    Tern(CpuPass),
     /// candle's ops, on GPUs and for the quantizations tern's own pass lacks; requests decode
     /// together as with [`Weights::Tern`] (see [`batched`]).
     Batched(BatchedLlama),
@@ -320,16 +328,17 @@ impl Llm {
     /// Loads `model.gguf` from the folder `dir_or_file`, or the `.gguf` file it names, onto
     /// `device`.
     ///
-    /// Supports llama-architecture GGUFs whose vocabulary is GPT-2 style byte-level BPE
-    /// (`tokenizer.ggml.model = "gpt2"`); the pre-tokenizer is SmolLM's (single digits, then
-    /// byte-level without a prefix space), so other BPE vocabularies may tokenise differently.
+    /// Supports the architectures `llama`, `qwen2`, `qwen3`, `phi3` and `gemma3`
+    /// ([`architecture`]) with byte-level BPE (`gpt2`) or SentencePiece (`llama`) vocabularies
+    /// ([`vocabulary`]).
     ///
-    /// On the CPU, models whose matrices are all Q4_0, Q4_1 or Q8_0 run on tern's own forward
-    /// pass (several times faster); other devices and quantizations run on a forward pass made
-    /// of candle's ops. Both decode requests together ([`Llm::generate_batch`]). The llama
-    /// variants neither implements run on candle's `quantized_llama`, one request at a time.
-    ///
-    /// On a GPU the matrices are dequantized once, at load ([`WeightLayout::Dense`]).
+    /// On the CPU every model runs on tern's own forward pass, its matrices as stored where
+    /// they are Q4_0, Q4_1 or Q8_0 and re-quantized to Q8_0 at load otherwise (K-quants, Q5:
+    /// 8 bits a weight against their 4.5-6.5). On other devices llama models run on a forward
+    /// pass made of candle's ops, their matrices dequantized once at load
+    /// ([`WeightLayout::Dense`]); the other architectures are served on the CPU only. Both
+    /// passes decode requests together ([`Llm::generate_batch`]). The llama variants neither
+    /// implements run on candle's `quantized_llama`, one request at a time.
     pub fn load_gguf(dir_or_file: &Path, device: &Device) -> Result<Llm> {
         let layout = if device.is_cpu() { WeightLayout::Quantized } else { WeightLayout::Dense };
         Self::load_gguf_on(dir_or_file, device, device.is_cpu(), layout)
@@ -353,52 +362,52 @@ impl Llm {
         let content = Content::read(&mut reader)
             .with_context(|| format!("reading the GGUF header of {}", path.display()))?;
 
-        let arch = metadata_str(&content, "general.architecture").unwrap_or("");
-        if arch != "llama" {
-            bail!(
-                "{}: architecture {arch:?} is not supported, only \"llama\"",
-                path.display()
-            );
-        }
-        let tokenizer = tokenizer_from_gguf(&content)
-            .with_context(|| format!("building the tokenizer from {}", path.display()))?;
-
-        let mut end_ids = Vec::new();
-        if let Some(id) = tokenizer.token_to_id("<|im_end|>") {
-            end_ids.push(id);
-        }
-        if let Some(id) = metadata_int(&content, "tokenizer.ggml.eos_token_id") {
-            let id = u32::try_from(id).context("tokenizer.ggml.eos_token_id out of range")?;
-            if !end_ids.contains(&id) {
-                end_ids.push(id);
-            }
-        }
+        let arch = Architecture::from_gguf(&content).with_context(|| format!("{}", path.display()))?;
+        // A llama variant neither of tern's passes implements (a mixture of experts) goes to
+        // candle's quantized_llama.
+        let cfg = match Config::from_gguf(&content) {
+            Ok(cfg) => Some(cfg),
+            Err(_) if arch == Architecture::Llama => None,
+            Err(e) => return Err(e.context(format!("reading the model's shape from {}", path.display()))),
+        };
+        let vocabulary = Vocabulary::from_gguf(&content).with_context(|| format!("building the tokenizer from {}", path.display()))?;
+        let template = ChatTemplate::from_gguf(&content, &vocabulary, arch).with_context(|| format!("{}", path.display()))?;
+        let end_ids = vocabulary.end_ids(&content);
         if end_ids.is_empty() {
-            bail!(
-                "{}: neither <|im_end|> nor tokenizer.ggml.eos_token_id is defined, generation \
-                 could not end before max_tokens",
-                path.display()
-            );
+            bail!("{}: the metadata names no end-of-sequence token, generation could not end before max_tokens", path.display());
         }
-
-        let stated_context = metadata_int(&content, "llama.context_length")
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(DEFAULT_CONTEXT_LENGTH);
-        if own_cpu_pass && device.is_cpu() {
+        let stated_context = metadata_int(&content, &format!("{}.context_length", arch.key())).and_then(|v| usize::try_from(v).ok()).unwrap_or(DEFAULT_CONTEXT_LENGTH);
+        let own_cpu_pass = own_cpu_pass && device.is_cpu();
+        if let Some(cfg) = cfg.as_ref().filter(|cfg| own_cpu_pass || cfg.arch != Architecture::Llama) {
+            ensure!(device.is_cpu(), "{}: architecture {:?} runs on the CPU only for now (TERN_DEVICE=cpu)", path.display(), cfg.arch);
             let context_length = stated_context.min(MAX_CONTEXT_LENGTH);
-            let llama = Llama::from_gguf(&content, &mut reader, context_length)
-                .with_context(|| format!("loading the weights of {}", path.display()))?;
-            if let Some(llama) = llama {
-                return Ok(Llm {
-                    weights_bytes: llama.bytes(),
-                    weights: Weights::Tern(llama),
-                    tokenizer,
-                    device: device.clone(),
-                    end_ids,
-                    context_length,
-                    last_stats: Default::default(),
-                    device_sampling: AtomicBool::new(true),
-                });
+            let convert = cpu_pass::convertible_to_q8_0(&content, cfg);
+            let pass = if convert.is_empty() {
+                CpuPass::from_gguf(&content, &mut reader, context_length)
+            } else {
+                let names: Vec<&str> = convert.iter().map(String::as_str).collect();
+                let gguf = requantize(&content, &mut reader, &names, GgmlDType::Q8_0).with_context(|| format!("re-quantizing {} to Q8_0", path.display()))?;
+                let mut cursor = std::io::Cursor::new(gguf);
+                let content = Content::read(&mut cursor)?;
+                CpuPass::from_gguf(&content, &mut cursor, context_length)
+            }
+            .with_context(|| format!("loading the weights of {}", path.display()))?;
+            match pass {
+                Some(pass) => {
+                    return Ok(Llm {
+                        weights_bytes: pass.bytes(),
+                        weights: Weights::Tern(pass),
+                        vocabulary,
+                        template,
+                        device: device.clone(),
+                        end_ids,
+                        context_length,
+                        last_stats: Default::default(),
+                        device_sampling: AtomicBool::new(true),
+                    })
+                }
+                None if cfg.arch != Architecture::Llama => bail!("{}: a matrix's rows are not whole blocks of 32", path.display()),
+                None => {}
             }
         }
         // The RoPE tables of quantized_llama stop at MAX_SEQ_LEN (4096) positions, below
@@ -432,7 +441,8 @@ impl Llm {
         .with_context(|| format!("loading the weights of {}", path.display()))?;
         Ok(Llm {
             weights,
-            tokenizer,
+            vocabulary,
+            template,
             device: device.clone(),
             end_ids,
             context_length,
@@ -496,7 +506,7 @@ impl Llm {
     }
 
     /// Most tokens a request may span, prompt plus `max_tokens`: the metadata's
-    /// `llama.context_length` (default [`DEFAULT_CONTEXT_LENGTH`], 2048), capped at
+    /// `{architecture}.context_length` (default [`DEFAULT_CONTEXT_LENGTH`], 2048), capped at
     /// [`MAX_CONTEXT_LENGTH`] (32,768) on tern's forward pass and at 4096, the longest it
     /// supports, on candle's.
     pub fn context_length(&self) -> usize {
@@ -515,18 +525,12 @@ impl Llm {
     /// Token ids of `text`, without a template. Special tokens written in the text (such as
     /// `<|im_end|>`) become their ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .tokenizer
-            .encode_fast(text, false)
-            .map_err(|e| anyhow!("tokenizing: {e}"))?;
-        Ok(encoding.get_ids().to_vec())
+        self.vocabulary.encode(text)
     }
 
     /// Text of `ids`; special tokens are left out.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer
-            .decode(ids, true)
-            .map_err(|e| anyhow!("detokenizing: {e}"))
+        self.vocabulary.decode(ids)
     }
 
     /// Generates a continuation of `prompt`.
@@ -784,32 +788,49 @@ impl Llm {
         Ok((seq, prompt_ids))
     }
 
-    /// Token ids of the rendered prompt.
-    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        match prompt {
-            Prompt::Text(text) => self.encode(text),
-            Prompt::Chat(messages) => self.encode(&self.render_chat(messages)),
+    /// The logits after each of `tokens` (`tokens.len()` rows of the vocabulary's width), the
+    /// tokens read one at a time through a fresh cache as decoding reads them: for comparing
+    /// the forward pass with a reference. Not on candle's `quantized_llama`.
+    pub fn logits_at_each_position(&self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        fn each<P: BatchedPass>(pass: &P, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+            let mut cache = pass.new_cache(tokens.len())?;
+            tokens.iter().map(|&t| pass.prefill(&[t], &mut cache)).collect()
+        }
+        match &self.weights {
+            Weights::Tern(pass) => each(pass, tokens),
+            Weights::Batched(pass) => each(pass, tokens),
+            Weights::Candle(_) => bail!("candle's quantized_llama serves this model: its logits are not offered"),
         }
     }
 
-    /// ChatML with the generation prompt. SmolLM2's own template also inserts a default system
-    /// message ("You are a helpful AI assistant named SmolLM...") when none is given; the
-    /// Q4_1 135M model answers that prompt badly (it drifts into French for "What is the capital
-    /// of France?"), so none is added: callers give a system message when they want one.
-    fn render_chat(&self, messages: &[ChatMessage]) -> String {
-        let mut out = String::new();
-        let mut turn = |role: &str, content: &str| {
-            out.push_str("<|im_start|>");
-            out.push_str(role);
-            out.push('\n');
-            out.push_str(content);
-            out.push_str("<|im_end|>\n");
-        };
-        for m in messages {
-            turn(m.role.as_str(), m.content.as_str());
+    /// The logits after the last of `tokens`, all read in one pass (as a prompt is read).
+    pub fn logits_after(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        match &self.weights {
+            Weights::Tern(pass) => BatchedPass::prefill(pass, tokens, &mut BatchedPass::new_cache(pass, tokens.len())?),
+            Weights::Batched(pass) => BatchedPass::prefill(pass, tokens, &mut BatchedPass::new_cache(pass, tokens.len())?),
+            Weights::Candle(_) => bail!("candle's quantized_llama serves this model: its logits are not offered"),
         }
-        out.push_str("<|im_start|>assistant\n");
-        out
+    }
+
+    /// The prompt text `messages` render to with the model's chat template, the assistant's
+    /// turn opened. Errors: [`GenerateError::InvalidMessages`] where the template refuses them.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        self.template.render(messages)
+    }
+
+    /// Token ids of the rendered prompt, after the BOS token where the model asks for one
+    /// (and the rendered text does not begin with it already, as chat templates often do).
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let mut ids = match prompt {
+            Prompt::Text(text) => self.encode(text)?,
+            Prompt::Chat(messages) => self.encode(&self.template.render(messages)?)?,
+        };
+        if let Some(bos) = self.vocabulary.bos {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
     }
 }
 
@@ -856,11 +877,11 @@ impl StepLogits {
     }
 }
 
-impl BatchedPass for Llama {
-    type Cache = llama::KvCache;
+impl BatchedPass for CpuPass {
+    type Cache = cpu_pass::KvCache;
 
     fn new_cache(&self, capacity: usize) -> Result<Self::Cache> {
-        Ok(Llama::new_cache(self, capacity))
+        Ok(CpuPass::new_cache(self, capacity))
     }
 
     fn prefill(&self, tokens: &[u32], cache: &mut Self::Cache) -> Result<Vec<f32>> {
@@ -950,7 +971,7 @@ impl Decoding<'_> {
             return Ok(Step::Done(self.finish(FinishReason::Stop, None)));
         }
         self.generated.push(next);
-        let so_far = self.text.update(&llm.tokenizer, &self.generated)?;
+        let so_far = self.text.update(&llm.vocabulary, &self.generated)?;
 
         // A new match must end in the new text, so it starts at most max_stop - 1 bytes
         // before it.
@@ -996,10 +1017,8 @@ struct IncrementalText {
 }
 
 impl IncrementalText {
-    fn update(&mut self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<&str> {
-        let tail = tokenizer
-            .decode(&ids[self.settled_ids..], true)
-            .map_err(|e| anyhow!("detokenizing: {e}"))?;
+    fn update(&mut self, vocabulary: &Vocabulary, ids: &[u32]) -> Result<&str> {
+        let tail = vocabulary.decode(&ids[self.settled_ids..])?;
         self.text.truncate(self.settled_bytes);
         self.text.push_str(&tail);
         // A trailing U+FFFD is (almost always) a character whose last bytes are still to come.
@@ -1035,74 +1054,6 @@ fn settled_len(text: &str, stops: &[String]) -> usize {
         .max()
         .unwrap_or(0);
     head.len() - held
-}
-
-/// The BPE tokenizer described by the `tokenizer.ggml.*` metadata, set up as SmolLM2's
-/// `tokenizer.json`: digits split one by one, then GPT-2 byte-level pre-tokenisation without a
-/// prefix space, byte-level decoding, and the control tokens (token type 3) as special tokens.
-fn tokenizer_from_gguf(content: &Content) -> Result<Tokenizer> {
-    match metadata_str(content, "tokenizer.ggml.model") {
-        Some("gpt2") => {}
-        other => {
-            bail!("tokenizer.ggml.model is {other:?}, only \"gpt2\" (byte-level BPE) is supported")
-        }
-    }
-    let tokens: Vec<&str> = metadata_array(content, "tokenizer.ggml.tokens")?
-        .iter()
-        .map(|v| v.to_string().map(String::as_str))
-        .collect::<candle_core::Result<_>>()
-        .context("tokenizer.ggml.tokens")?;
-    let merges: Vec<(String, String)> = metadata_array(content, "tokenizer.ggml.merges")?
-        .iter()
-        .map(|v| -> Result<(String, String)> {
-            let merge = v.to_string().context("tokenizer.ggml.merges")?;
-            // Byte-level tokens spell a space as 'Ġ', so the one space is the separator.
-            let (a, b) = merge
-                .split_once(' ')
-                .with_context(|| format!("malformed merge {merge:?}"))?;
-            Ok((a.to_string(), b.to_string()))
-        })
-        .collect::<Result<_>>()?;
-    // Absent types: no special tokens; decoding then keeps control tokens as text.
-    let types: Vec<i64> = match content.metadata.get("tokenizer.ggml.token_type") {
-        Some(v) => v
-            .to_vec()
-            .context("tokenizer.ggml.token_type")?
-            .iter()
-            .map(|t| value_int(t).context("tokenizer.ggml.token_type holds a non-integer"))
-            .collect::<Result<_>>()?,
-        None => Vec::new(),
-    };
-
-    let vocab: Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(id, t)| (t.to_string(), id as u32))
-        .collect();
-    if vocab.len() != tokens.len() {
-        // The id of a repeated token would be lost for decoding.
-        bail!("tokenizer.ggml.tokens holds repeated tokens");
-    }
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(|e| anyhow!("building the BPE model: {e}"))?;
-
-    let mut tokenizer = Tokenizer::new(bpe);
-    tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![
-        Digits::new(true).into(),
-        ByteLevel::new(false, true, true).into(),
-    ])));
-    tokenizer.with_decoder(Some(ByteLevel::default()));
-    // GGUF token type 3 is "control": <|im_start|>, <|im_end|>, <|endoftext|>, ...
-    let specials: Vec<AddedToken> = tokens
-        .iter()
-        .zip(&types)
-        .filter(|(_, t)| **t == 3)
-        .map(|(tok, _)| AddedToken::from(tok.to_string(), true))
-        .collect();
-    tokenizer.add_special_tokens(&specials);
-    Ok(tokenizer)
 }
 
 /// Quantisations whose matrix products candle runs without SIMD kernels on the CPU (Q4_1 is

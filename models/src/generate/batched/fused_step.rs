@@ -29,7 +29,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, Device, Layout, Module, Result, Shape, Storage, Tensor};
 
 use super::{BatchedLlama, Matrix, Projections, RowCache};
-use crate::generate::llama::Config;
+use crate::generate::architecture::Config;
 
 /// Rows the matrix-vector kernels take; steps of more use cuBLAS.
 pub(crate) const MAX_ROWS: usize = 8;
