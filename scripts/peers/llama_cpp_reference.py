@@ -155,7 +155,7 @@ def write(arch, path, rng):
         w.add_rope_freq_base(10_000.0)
 
     if arch in ("phi3", "gemma3"):
-        specials = ["<s>", "</s>"] + (["<start_of_turn>", "<end_of_turn>"] if arch == "gemma3" else ["<|user|>", "<|assistant|>", "<|end|>"])
+        specials = ["<s>", "</s>"] + (["<start_of_turn>", "<end_of_turn>"] if arch == "gemma3" else ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"])
         tokens, types, scores = sentencepiece_vocab(specials, ["\n", "\n\n"] if arch == "gemma3" else [])
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
@@ -183,7 +183,7 @@ def write(arch, path, rng):
     def matrix(name, rows, cols, scale=None):
         scale = scale or 1.0 / np.sqrt(cols)
         data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
-        w.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_shape=data.shape, raw_dtype=Q.Q8_0)
+        w.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
 
     def vector(name, n, around=1.0, spread=0.1):
         w.add_tensor(name, (around + spread * rng.standard_normal(n)).astype(np.float32))
