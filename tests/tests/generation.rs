@@ -155,3 +155,37 @@ async fn a_short_job_submitted_while_a_long_one_decodes_joins_it_and_finishes_fi
     assert!(short_end < long_end, "the short job finished at {short_end}, after the long one at {long_end}");
     assert!(worker.log_text().contains("joined_late=1"), "the worker's log shows the late join");
 }
+
+/// Gemma 3 270M (another architecture, a SentencePiece vocabulary, its own chat template)
+/// through the whole service: a generate job, a chat completion rendered with Gemma's
+/// template, and a conversation the template refuses, failed with its code and not retried.
+#[tokio::test]
+async fn gemma_serves_generate_jobs_and_chat_completions() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let _worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "generate"), ("TERN_LLM_MODEL", "gemma-3-270m")]).unwrap();
+    let jobs = [
+        json!({"kind": "generate", "input": {"prompt": "Question: What is the capital of France?\nAnswer:", "temperature": 0, "max_tokens": 4}}),
+        // Gemma's template wants user and assistant turns in turn.
+        json!({"kind": "generate", "input": {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "max_tokens": 4}}),
+    ];
+    let ids = cluster.submit_all(&jobs).await.unwrap();
+    cluster.wait_terminal(&ids, Duration::from_secs(180)).await.unwrap();
+    let out = finished(&cluster, ids[0]).await;
+    assert!(out["text"].as_str().unwrap().contains("Paris"), "{out}");
+    assert_eq!(out["model"], "gemma-3-270m", "{out}");
+    let (_, refused) = cluster.get(&format!("/v1/jobs/{}", ids[1])).await.unwrap();
+    assert_eq!(refused["state"], "failed", "{refused}");
+    assert_eq!(refused["error"]["code"], "invalid_messages", "{refused}");
+    assert_eq!(refused["attempts"], 1, "not retried: {refused}");
+
+    let body = json!({
+        "model": "gemma-3-270m", "max_tokens": 6, "temperature": 0,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}],
+    });
+    let (status, reply) = cluster.post("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!(status, 200, "{reply}");
+    assert!(reply["choices"][0]["message"]["content"].is_string(), "{reply}");
+    // <bos><start_of_turn>user\nBe brief.\n\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n
+    let prompt_tokens = reply["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!((18..=24).contains(&prompt_tokens), "{reply}");
+}
