@@ -87,7 +87,10 @@ impl QuantizedRows {
     }
 }
 
-/// Rounds one block to bytes; returns `(d, d * Σ qs)`.
+/// Rounds one block to bytes; returns `(d, d * Σ qs)`, both rounded to f16 as GGML's Q8_0
+/// and Q8_1 blocks store them, so products are llama.cpp's (candle's, ported from it, agree
+/// to 1e-6; with F32 scales they moved logits by ~1% of the largest, as far from exact
+/// arithmetic as llama.cpp's but elsewhere).
 fn quantize_block(x: &[f32], qs: &mut [i8; BLOCK]) -> (f32, f32) {
     // Adding 1.5 * 2^23 rounds to the nearest integer without a libm call.
     const ROUND: f32 = 12_582_912.0;
@@ -100,7 +103,8 @@ fn quantize_block(x: &[f32], qs: &mut [i8; BLOCK]) -> (f32, f32) {
         *q = r as i8;
         sum += *q as i32;
     }
-    (d, d * sum as f32)
+    let f16 = |v: f32| half::f16::from_f32(v).to_f32();
+    (f16(d), f16(d * sum as f32))
 }
 
 /// A weight matrix of `rows` x `cols` values in GGML blocks, held as three arrays: each

@@ -1,5 +1,5 @@
-//! The llama forward pass made of candle's ops, so it runs on any device candle does (a GPU's;
-//! the CPU for quantizations tern's own pass lacks). Requests decode together as on the CPU
+//! The forward pass of every architecture of [`super::architecture`] made of candle's ops, so
+//! it runs on any device candle does (a GPU's). Requests decode together as on the CPU
 //! ([`super::BatchedPass`]): a step takes one token of every running request through each
 //! weight matrix in one product, and each request keeps its own key/value cache, over which it
 //! alone attends, so its tokens do not depend on what it is batched with.
@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 use tern_kernels::cpu_ops::softmax_last_dim;
 
-use super::architecture::{Architecture, Config};
+use super::architecture::{Activation, Architecture, Config, RopeStyle};
 use super::WeightLayout;
 
 #[cfg(feature = "cuda")]
@@ -46,11 +46,19 @@ impl RmsNorm {
 struct Layer {
     attn_norm: RmsNorm,
     qkv: Projections,
+    /// Biases of q, k and v, `(heads, head_dim)` and twice `(kv_heads, head_dim)` (Qwen2).
+    qkv_bias: Option<[Tensor; 3]>,
+    /// RMS norms of each query and key head (Qwen3, Gemma 3).
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     attn_output: Matrix,
+    post_attn_norm: Option<RmsNorm>,
     ffn_norm: RmsNorm,
     /// The gate's and the up projection's matrices, in that order.
     gate_up: Projections,
     down: Matrix,
+    post_ffn_norm: Option<RmsNorm>,
+    /// Attends over the window only, with the window's rotary tables (Gemma 3, Phi-3).
+    windowed: bool,
 }
 
 /// Projections of the same input: dense, their matrices stacked into one (one product, one
@@ -128,16 +136,21 @@ impl Matrix {
     }
 }
 
-/// A llama-architecture model on a candle device, any quantization candle multiplies.
+/// A model on a candle device, any quantization candle multiplies.
 pub(crate) struct BatchedLlama {
     cfg: Config,
     embeddings: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
     output: Matrix,
-    /// `positions x head_dim / 2`, on the device.
+    /// `positions x rotated / 2`, on the device: the full-attention layers' tables...
     cos: Tensor,
     sin: Tensor,
+    /// ...and the window layers' (their own rotary base), where the model has a window.
+    window_tables: Option<(Tensor, Tensor)>,
+    /// A llama block as the fused step computes it (no variation of [`Config`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    plain: bool,
     device: Device,
     caches: Arc<Mutex<SlotCaches>>,
     /// Steps run as `fused_step` runs them (on a GPU, dense weights): default true where it
@@ -233,33 +246,84 @@ impl BatchedLlama {
         positions: usize,
         layout: WeightLayout,
     ) -> Result<Option<BatchedLlama>> {
-        // Plain llama blocks only: other architectures, partial or scaled rotary embeddings
-        // go elsewhere.
-        let Ok(cfg) = Config::from_gguf(content) else { return Ok(None) };
-        let plain = cfg.arch == Architecture::Llama && cfg.rotated == cfg.head_dim && cfg.rope_scale == 1.0 && !content.tensor_infos.contains_key("rope_freqs.weight") && cfg.head_dim % 2 == 0;
-        if !plain {
-            return Ok(None);
-        }
+        // A variant no pass of tern's implements (a mixture of experts) goes to candle's
+        // quantized_llama.
+        let Ok(mut cfg) = Config::from_gguf(content) else { return Ok(None) };
+        let plain = cfg.arch == Architecture::Llama && cfg.rotated == cfg.head_dim && cfg.rope_scale == 1.0 && !content.tensor_infos.contains_key("rope_freqs.weight");
         let mut tensor = |name: &str| content.tensor(reader, name, device).with_context(|| format!("reading {name}"));
+        if content.tensor_infos.contains_key("rope_freqs.weight") {
+            cfg.rope_factors = Some(tensor("rope_freqs.weight")?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?);
+        }
         let matrix = |t: QTensor| -> Result<Matrix> {
             Ok(match layout {
                 WeightLayout::Quantized => Matrix::Quantized(QMatMul::from_qtensor(t)?),
                 WeightLayout::Dense => Matrix::Dense(t.dequantize(device)?.to_dtype(DType::F32)?),
             })
         };
-        let norm = |t| RmsNorm::from_qtensor(t, cfg.rms_eps).map_err(anyhow::Error::from);
+        // A fused matrix (Phi-3's qkv and gate-up) cut into its parts' rows, exactly as stored.
+        let parts = |t: QTensor, widths: &[usize]| -> Result<Vec<Matrix>> {
+            if widths.len() == 1 {
+                return Ok(vec![matrix(t)?]);
+            }
+            let (dtype, cols) = (t.dtype(), t.shape().dims()[1]);
+            let row_bytes = cols / dtype.block_size() * dtype.type_size();
+            let data = t.data()?;
+            let mut at = 0;
+            widths
+                .iter()
+                .map(|&rows| {
+                    let part = candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &data[at * row_bytes..(at + rows) * row_bytes], vec![rows, cols], device)?;
+                    at += rows;
+                    matrix(part)
+                })
+                .collect()
+        };
+        let eps = cfg.rms_eps;
+        let norm = |t| RmsNorm::from_qtensor(t, eps).map_err(anyhow::Error::from);
+        let (q_dim, kv_dim) = (cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let name = |part: &str| format!("blk.{l}.{part}.weight");
-            let qkv = vec![matrix(tensor(&name("attn_q"))?)?, matrix(tensor(&name("attn_k"))?)?, matrix(tensor(&name("attn_v"))?)?];
-            let gate_up = vec![matrix(tensor(&name("ffn_gate"))?)?, matrix(tensor(&name("ffn_up"))?)?];
+            let has = |part: &str| content.tensor_infos.contains_key(&name(part));
+            let mut qkv = Vec::new();
+            let qkv_names = cfg.qkv_names(l);
+            let qkv_widths: Vec<Vec<usize>> = if qkv_names.len() == 1 { vec![vec![q_dim, kv_dim, kv_dim]] } else { vec![vec![q_dim], vec![kv_dim], vec![kv_dim]] };
+            for (n, w) in qkv_names.iter().zip(&qkv_widths) {
+                qkv.extend(parts(tensor(n)?, w)?);
+            }
+            let mut gate_up = Vec::new();
+            let gate_up_names = cfg.gate_up_names(l);
+            let gate_up_widths: Vec<Vec<usize>> = if gate_up_names.len() == 1 { vec![vec![cfg.ffn, cfg.ffn]] } else { vec![vec![cfg.ffn], vec![cfg.ffn]] };
+            for (n, w) in gate_up_names.iter().zip(&gate_up_widths) {
+                gate_up.extend(parts(tensor(n)?, w)?);
+            }
+            let qkv_bias = match cfg.qkv_bias {
+                true => {
+                    let mut bias = |part: &str, heads: usize| -> Result<Tensor> {
+                        Ok(tensor(&format!("blk.{l}.{part}.bias"))?.dequantize(device)?.to_dtype(DType::F32)?.reshape((heads, cfg.head_dim))?)
+                    };
+                    Some([bias("attn_q", cfg.heads)?, bias("attn_k", cfg.kv_heads)?, bias("attn_v", cfg.kv_heads)?])
+                }
+                false => None,
+            };
+            let qk_norm = match has("attn_q_norm") {
+                true => Some((norm(tensor(&name("attn_q_norm"))?)?, norm(tensor(&name("attn_k_norm"))?)?)),
+                false => None,
+            };
+            let post_attn_norm = if has("post_attention_norm") { Some(norm(tensor(&name("post_attention_norm"))?)?) } else { None };
+            let post_ffn_norm = if has("post_ffw_norm") { Some(norm(tensor(&name("post_ffw_norm"))?)?) } else { None };
             layers.push(Layer {
                 attn_norm: norm(tensor(&name("attn_norm"))?)?,
                 qkv: Projections::new(qkv)?,
+                qkv_bias,
+                qk_norm,
                 attn_output: matrix(tensor(&name("attn_output"))?)?,
+                post_attn_norm,
                 ffn_norm: norm(tensor(&name("ffn_norm"))?)?,
                 gate_up: Projections::new(gate_up)?,
                 down: matrix(tensor(&name("ffn_down"))?)?,
+                post_ffn_norm,
+                windowed: cfg.windowed(l),
             });
         }
         let embedding_table = tensor("token_embd.weight")?;
@@ -271,11 +335,18 @@ impl BatchedLlama {
             (false, WeightLayout::Quantized) => matrix(embedding_table)?,
         };
         let norm = norm(tensor("output_norm.weight")?)?;
-        let (cos, sin) = cfg.rotary_tables(positions, false);
-        let half = cfg.head_dim / 2;
+        let half = cfg.rotated / 2;
+        let tables = |windowed: bool| -> candle_core::Result<(Tensor, Tensor)> {
+            let (cos, sin) = cfg.rotary_tables(positions, windowed);
+            Ok((Tensor::from_vec(cos, (positions, half), device)?, Tensor::from_vec(sin, (positions, half), device)?))
+        };
+        let (cos, sin) = tables(false)?;
+        let window_tables = if cfg.window.is_some() { Some(tables(true)?) } else { None };
         let batched = BatchedLlama {
-            cos: Tensor::from_vec(cos, (positions, half), device)?,
-            sin: Tensor::from_vec(sin, (positions, half), device)?,
+            cos,
+            sin,
+            window_tables,
+            plain,
             cfg,
             embeddings,
             layers,
@@ -297,7 +368,7 @@ impl BatchedLlama {
     /// fused step does not serve the model.
     pub(crate) fn set_fused_step(&self, on: bool) {
         #[cfg(feature = "cuda")]
-        let on = on && fused_step::supports(self);
+        let on = on && self.plain && fused_step::supports(self);
         #[cfg(not(feature = "cuda"))]
         let on = {
             let _ = on;
@@ -329,10 +400,9 @@ impl BatchedLlama {
     pub(crate) fn prefill(&self, tokens: &[u32], cache: &mut RowCache) -> Result<Vec<f32>> {
         let (t, start) = (tokens.len(), cache.len);
         let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
-        let cos = self.cos.narrow(0, start, t)?;
-        let sin = self.sin.narrow(0, start, t)?;
+        let tables = self.tables_at(|cos| cos.narrow(0, start, t))?;
         let groups = self.cfg.heads / self.cfg.kv_heads;
-        let mask = self.causal_mask(start, t)?;
+        let masks = [self.causal_mask(start, t, false)?, self.causal_mask(start, t, true)?];
         let caches = self.lock_caches();
         let attend = |l: usize, q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
             let (ck, cv) = &caches.layers[l];
@@ -342,14 +412,14 @@ impl BatchedLlama {
             let Config { heads, kv_heads, head_dim, .. } = self.cfg;
             let q = q.reshape((1, kv_heads, groups * t, head_dim))?;
             let scores = (q.matmul(&ck.narrow(2, 0, start + t)?.t()?)? * self.scale())?;
-            let scores = match &mask {
+            let scores = match &masks[usize::from(self.layers[l].windowed)] {
                 Some(mask) => scores.broadcast_add(mask)?,
                 None => scores,
             };
             let y = softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, start + t)?)?;
             y.reshape((1, heads, t, head_dim))?.transpose(1, 2)?.reshape((1, t, heads * head_dim))
         };
-        let logits = self.forward(&ids, &cos, &sin, None, attend)?;
+        let logits = self.forward(&ids, &tables, None, attend)?;
         drop(caches);
         cache.len += t;
         Ok(logits.flatten_all()?.to_vec1()?)
@@ -379,12 +449,11 @@ impl BatchedLlama {
         }
         let ids = Tensor::from_vec(ids, (n, t), &self.device)?;
         let last = Tensor::new(last.as_slice(), &self.device)?;
-        let cos = self.cos.narrow(0, 0, t)?;
-        let sin = self.sin.narrow(0, 0, t)?;
+        let tables = self.tables_at(|cos| cos.narrow(0, 0, t))?;
         let Config { heads, kv_heads, head_dim, .. } = self.cfg;
         let groups = heads / kv_heads;
         // Causal over the new tokens alone: nothing is cached.
-        let mask = self.causal_mask(0, t)?;
+        let masks = [self.causal_mask(0, t, false)?, self.causal_mask(0, t, true)?];
         let slots: Vec<usize> = prompts.iter().map(|(_, cache)| cache.slot).collect();
         let caches = self.lock_caches();
         let attend = |l: usize, q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<Tensor> {
@@ -395,14 +464,14 @@ impl BatchedLlama {
             }
             let q = q.reshape((n, kv_heads, groups * t, head_dim))?;
             let scores = (q.matmul(&k.t()?)? * self.scale())?;
-            let scores = match &mask {
+            let scores = match &masks[usize::from(self.layers[l].windowed)] {
                 Some(mask) => scores.broadcast_add(mask)?,
                 None => scores,
             };
             let y = softmax_last_dim(&scores)?.matmul(v)?;
             y.reshape((n, heads, t, head_dim))?.transpose(1, 2)?.reshape((n, t, heads * head_dim))
         };
-        let logits = self.forward(&ids, &cos, &sin, Some(&last), attend)?;
+        let logits = self.forward(&ids, &tables, Some(&last), attend)?;
         drop(caches);
         for (tokens, cache) in prompts.iter_mut() {
             cache.len = tokens.len();
@@ -422,9 +491,8 @@ impl BatchedLlama {
         let positions: Vec<u32> = rows.iter().map(|r| r.1.len as u32).collect();
         let ids = Tensor::new(tokens.as_slice(), &self.device)?.unsqueeze(1)?;
         let positions_t = Tensor::new(positions.as_slice(), &self.device)?;
-        // (rows, 1, head_dim / 2): each row's own position.
-        let cos = self.cos.index_select(&positions_t, 0)?.unsqueeze(1)?;
-        let sin = self.sin.index_select(&positions_t, 0)?.unsqueeze(1)?;
+        // (rows, 1, rotated / 2): each row's own position.
+        let tables = self.tables_at(|cos| cos.index_select(&positions_t, 0)?.unsqueeze(1))?;
         let caches = self.lock_caches();
         let Config { heads, kv_heads, head_dim, .. } = self.cfg;
         let groups = heads / kv_heads;
@@ -440,18 +508,20 @@ impl BatchedLlama {
         }
         let source: Vec<u32> = row_of_slot.iter().map(|r| r.unwrap_or(0) as u32).collect();
         let write_at: Vec<u32> = row_of_slot.iter().map(|r| r.map_or(scratch as u32, |r| positions[r])).collect();
-        let mask: Vec<f32> = row_of_slot
-            .iter()
-            .flat_map(|r| {
-                let seen = r.map_or(0, |r| positions[r] as usize);
-                (0..span).map(move |j| if j > seen { f32::NEG_INFINITY } else { 0.0 })
-            })
-            .collect();
+        let mask = |window: Option<usize>| -> Vec<f32> {
+            row_of_slot
+                .iter()
+                .flat_map(|r| {
+                    let seen = r.map_or(0, |r| positions[r] as usize);
+                    (0..span).map(move |j| if j > seen || window.is_some_and(|w| seen - j >= w) { f32::NEG_INFINITY } else { 0.0 })
+                })
+                .collect()
+        };
         let source = Tensor::new(source.as_slice(), &self.device)?;
         let back: Vec<u32> = rows.iter().map(|r| r.1.slot as u32).collect();
         let back = Tensor::new(back.as_slice(), &self.device)?;
         let write_at = Tensor::new(write_at.as_slice(), &self.device)?.reshape((slots, 1, 1, 1))?.broadcast_as((slots, kv_heads, 1, head_dim))?.contiguous()?;
-        let mask = Tensor::from_vec(mask, (slots, 1, 1, span), &self.device)?;
+        let masks = [Tensor::from_vec(mask(None), (slots, 1, 1, span), &self.device)?, Tensor::from_vec(mask(self.cfg.window), (slots, 1, 1, span), &self.device)?];
         // Row r in slot r (one request alone, or a batch none has left): the rows are already
         // in slot order, and four gathers per layer are skipped.
         let in_order = rows.iter().enumerate().all(|(r, row)| row.1.slot == r);
@@ -462,12 +532,12 @@ impl BatchedLlama {
             ck.scatter_set(&write_at, &to_slots(k)?, 2)?;
             cv.scatter_set(&write_at, &to_slots(v)?, 2)?;
             let q = to_slots(q)?.reshape((slots, kv_heads, groups, head_dim))?;
-            let scores = (q.matmul(&ck.narrow(2, 0, span)?.t()?)? * self.scale())?.broadcast_add(&mask)?;
+            let scores = (q.matmul(&ck.narrow(2, 0, span)?.t()?)? * self.scale())?.broadcast_add(&masks[usize::from(self.layers[l].windowed)])?;
             let y = softmax_last_dim(&scores)?.matmul(&cv.narrow(2, 0, span)?)?.reshape((slots, heads * head_dim))?;
             let y = if in_order { y } else { y.index_select(&back, 0)? };
             y.reshape((n, 1, heads * head_dim))
         };
-        let logits = self.forward(&ids, &cos, &sin, None, attend)?;
+        let logits = self.forward(&ids, &tables, None, attend)?;
         drop(caches);
         for row in rows.iter_mut() {
             row.1.len += 1;
@@ -522,14 +592,19 @@ impl BatchedLlama {
     }
 
     /// The attention mask of `t` new tokens after `start` cached ones, `(groups x t, start +
-    /// t)`: token i sees the cache and the new tokens up to itself. A group's heads share keys,
-    /// so the rows are the group's heads' tokens in turn. `None` for one token, which sees all.
-    fn causal_mask(&self, start: usize, t: usize) -> candle_core::Result<Option<Tensor>> {
+    /// t)`: token i sees the cache and the new tokens up to itself (from the window's first, on
+    /// a `windowed` layer). A group's heads share keys, so the rows are the group's heads'
+    /// tokens in turn. `None` where every token sees all: one token, no window.
+    fn causal_mask(&self, start: usize, t: usize, windowed: bool) -> candle_core::Result<Option<Tensor>> {
         let groups = self.cfg.heads / self.cfg.kv_heads;
-        (t > 1)
+        let window = self.cfg.window.filter(|_| windowed);
+        (t > 1 || window.is_some_and(|w| start + t > w))
             .then(|| {
                 let mask: Vec<f32> = (0..groups * t)
-                    .flat_map(|row| (0..start + t).map(move |j| if j > start + row % t { f32::NEG_INFINITY } else { 0.0 }))
+                    .flat_map(|row| {
+                        let at = start + row % t;
+                        (0..start + t).map(move |j| if j > at || window.is_some_and(|w| at - j >= w) { f32::NEG_INFINITY } else { 0.0 })
+                    })
                     .collect();
                 Tensor::from_vec(mask, (groups * t, start + t), &self.device)
             })
@@ -537,7 +612,33 @@ impl BatchedLlama {
     }
 
     fn scale(&self) -> f64 {
-        1.0 / (self.cfg.head_dim as f64).sqrt()
+        self.cfg.attention_scale as f64
+    }
+
+    /// The rotary tables of the full-attention layers and of the window's, each `pick`ed (the
+    /// rows of the positions at hand).
+    fn tables_at(&self, pick: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> candle_core::Result<[(Tensor, Tensor); 2]> {
+        let full = (pick(&self.cos)?, pick(&self.sin)?);
+        let window = match &self.window_tables {
+            Some((cos, sin)) => (pick(cos)?, pick(sin)?),
+            None => full.clone(),
+        };
+        Ok([full, window])
+    }
+
+    /// Rotary embedding of `x` `(rows, heads, t, head_dim)`: its first `rotated` dimensions, as
+    /// the architecture pairs them.
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        let (rotated, head_dim) = (self.cfg.rotated, self.cfg.head_dim);
+        let turn = |x: &Tensor| match self.cfg.rope_style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(x, cos, sin),
+            RopeStyle::Halves => candle_nn::rotary_emb::rope(x, cos, sin),
+        };
+        if rotated == head_dim {
+            return turn(x);
+        }
+        let turned = turn(&x.narrow(3, 0, rotated)?.contiguous()?)?;
+        Tensor::cat(&[&turned, &x.narrow(3, rotated, head_dim - rotated)?], 3)
     }
 
     /// `ids` `(rows, t)`: row r's tokens after those already in the caches; `attend(layer, q, k,
@@ -547,8 +648,7 @@ impl BatchedLlama {
     fn forward(
         &self,
         ids: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        tables: &[(Tensor, Tensor); 2],
         last: Option<&Tensor>,
         attend: impl Fn(usize, &Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
@@ -557,18 +657,43 @@ impl BatchedLlama {
         // (rows, t, heads, head_dim) to (rows, heads, t, head_dim): one copy.
         let split = |x: &Tensor| x.transpose(1, 2)?.contiguous();
         let mut x = self.embeddings.forward(ids)?;
+        if let Some(scale) = self.cfg.embedding_scale {
+            x = (x * scale as f64)?;
+        }
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.forward(&x)?;
-            let qkv = layer.qkv.forward(&h, head_dim)?;
-            let q = candle_nn::rotary_emb::rope_i(&split(&qkv[0])?, cos, sin)?;
-            let k = candle_nn::rotary_emb::rope_i(&split(&qkv[1])?, cos, sin)?;
+            let mut qkv = layer.qkv.forward(&h, head_dim)?;
+            if let Some(bias) = &layer.qkv_bias {
+                for (y, b) in qkv.iter_mut().zip(bias) {
+                    *y = y.broadcast_add(b)?;
+                }
+            }
+            if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                qkv[0] = q_norm.forward(&qkv[0].contiguous()?)?;
+                qkv[1] = k_norm.forward(&qkv[1].contiguous()?)?;
+            }
+            let (cos, sin) = &tables[usize::from(layer.windowed)];
+            let q = self.rotate(&split(&qkv[0])?, cos, sin)?;
+            let k = self.rotate(&split(&qkv[1])?, cos, sin)?;
             let v = split(&qkv[2])?;
             let y = attend(l, &q, &k, &v)?;
-            x = (x + layer.attn_output.forward(&y)?)?;
+            let mut attended = layer.attn_output.forward(&y)?;
+            if let Some(norm) = &layer.post_attn_norm {
+                attended = norm.forward(&attended)?;
+            }
+            x = (x + attended)?;
             let h = layer.ffn_norm.forward(&x)?;
             let gate_up = layer.gate_up.forward(&h, 1)?;
-            let gated = (candle_nn::ops::silu(&gate_up[0].squeeze(3)?)? * gate_up[1].squeeze(3)?)?;
-            x = (x + layer.down.forward(&gated)?)?;
+            let gate = gate_up[0].squeeze(3)?;
+            let gate = match self.cfg.activation {
+                Activation::Silu => candle_nn::ops::silu(&gate)?,
+                Activation::GeluTanh => gate.gelu()?,
+            };
+            let mut fed = layer.down.forward(&(gate * gate_up[1].squeeze(3)?)?)?;
+            if let Some(norm) = &layer.post_ffn_norm {
+                fed = norm.forward(&fed)?;
+            }
+            x = (x + fed)?;
         }
         let last = match last {
             Some(last) => x.reshape((rows * t, ()))?.index_select(last, 0)?,

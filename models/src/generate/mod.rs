@@ -334,11 +334,11 @@ impl Llm {
     ///
     /// On the CPU every model runs on tern's own forward pass, its matrices as stored where
     /// they are Q4_0, Q4_1 or Q8_0 and re-quantized to Q8_0 at load otherwise (K-quants, Q5:
-    /// 8 bits a weight against their 4.5-6.5). On other devices llama models run on a forward
-    /// pass made of candle's ops, their matrices dequantized once at load
-    /// ([`WeightLayout::Dense`]); the other architectures are served on the CPU only. Both
-    /// passes decode requests together ([`Llm::generate_batch`]). The llama variants neither
-    /// implements run on candle's `quantized_llama`, one request at a time.
+    /// 8 bits a weight against their 4.5-6.5). On other devices models run on a forward pass
+    /// made of candle's ops, their matrices dequantized once at load
+    /// ([`WeightLayout::Dense`]). Both passes decode requests together
+    /// ([`Llm::generate_batch`]). The llama variants neither implements (mixtures of experts)
+    /// run on candle's `quantized_llama`, one request at a time.
     pub fn load_gguf(dir_or_file: &Path, device: &Device) -> Result<Llm> {
         let layout = if device.is_cpu() { WeightLayout::Quantized } else { WeightLayout::Dense };
         Self::load_gguf_on(dir_or_file, device, device.is_cpu(), layout)
@@ -378,8 +378,7 @@ impl Llm {
         }
         let stated_context = metadata_int(&content, &format!("{}.context_length", arch.key())).and_then(|v| usize::try_from(v).ok()).unwrap_or(DEFAULT_CONTEXT_LENGTH);
         let own_cpu_pass = own_cpu_pass && device.is_cpu();
-        if let Some(cfg) = cfg.as_ref().filter(|cfg| own_cpu_pass || cfg.arch != Architecture::Llama) {
-            ensure!(device.is_cpu(), "{}: architecture {:?} runs on the CPU only for now (TERN_DEVICE=cpu)", path.display(), cfg.arch);
+        if let Some(cfg) = cfg.as_ref().filter(|_| own_cpu_pass) {
             let context_length = stated_context.min(MAX_CONTEXT_LENGTH);
             let convert = cpu_pass::convertible_to_q8_0(&content, cfg);
             let pass = if convert.is_empty() {
@@ -406,7 +405,7 @@ impl Llm {
                         device_sampling: AtomicBool::new(true),
                     })
                 }
-                None if cfg.arch != Architecture::Llama => bail!("{}: a matrix's rows are not whole blocks of 32", path.display()),
+                // Rows that are not whole blocks of 32: candle's ops serve the model.
                 None => {}
             }
         }
@@ -422,6 +421,7 @@ impl Llm {
         let load = |content: Content, mut reader: &mut dyn ReadSeek| -> Result<(Weights, u64)> {
             let weights = match BatchedLlama::from_gguf(&content, &mut reader, device, context_length, layout)? {
                 Some(batched) => (Weights::Batched(batched), resident_bytes(&content, layout)),
+                None if arch != Architecture::Llama => bail!("architecture {arch:?} with these tensors is not supported"),
                 None => {
                     let bytes = resident_bytes(&content, WeightLayout::Quantized);
                     (Weights::Candle(ModelWeights::from_gguf(content, &mut reader, device)?), bytes)
@@ -788,17 +788,32 @@ impl Llm {
         Ok((seq, prompt_ids))
     }
 
-    /// The logits after each of `tokens` (`tokens.len()` rows of the vocabulary's width), the
-    /// tokens read one at a time through a fresh cache as decoding reads them: for comparing
-    /// the forward pass with a reference. Not on candle's `quantized_llama`.
-    pub fn logits_at_each_position(&self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        fn each<P: BatchedPass>(pass: &P, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-            let mut cache = pass.new_cache(tokens.len())?;
-            tokens.iter().map(|&t| pass.prefill(&[t], &mut cache)).collect()
+    /// The logits after each token of each sequence (per sequence, a row of the vocabulary's
+    /// width per token), the sequences decoded together as requests are: each one's first
+    /// token read alone, then one decoding step per position for every sequence that long.
+    /// For comparing the forward passes with a reference. Not on candle's `quantized_llama`.
+    pub fn logits_at_each_position(&self, sequences: &[&[u32]]) -> Result<Vec<Vec<Vec<f32>>>> {
+        fn each<P: BatchedPass>(pass: &P, sequences: &[&[u32]]) -> Result<Vec<Vec<Vec<f32>>>> {
+            ensure!(sequences.iter().all(|s| !s.is_empty()), "an empty sequence");
+            let mut caches = sequences.iter().map(|s| pass.new_cache(s.len())).collect::<Result<Vec<_>>>()?;
+            let mut out: Vec<Vec<Vec<f32>>> = sequences.iter().zip(&mut caches).map(|(s, c)| Ok(vec![pass.prefill(&s[..1], c)?])).collect::<Result<_>>()?;
+            let longest = sequences.iter().map(|s| s.len()).max().unwrap_or(0);
+            for i in 1..longest {
+                let live: Vec<usize> = (0..sequences.len()).filter(|&r| sequences[r].len() > i).collect();
+                let mut rows: Vec<(u32, &mut P::Cache)> = caches.iter_mut().enumerate().filter(|(r, _)| live.contains(r)).map(|(r, c)| (sequences[r][i], c)).collect();
+                let logits = match pass.step(&mut rows)? {
+                    StepLogits::Host(rows) => rows,
+                    StepLogits::Device(t) => t.to_device(&Device::Cpu)?.to_dtype(candle_core::DType::F32)?.to_vec2()?,
+                };
+                for (r, row) in live.into_iter().zip(logits) {
+                    out[r].push(row);
+                }
+            }
+            Ok(out)
         }
         match &self.weights {
-            Weights::Tern(pass) => each(pass, tokens),
-            Weights::Batched(pass) => each(pass, tokens),
+            Weights::Tern(pass) => each(pass, sequences),
+            Weights::Batched(pass) => each(pass, sequences),
             Weights::Candle(_) => bail!("candle's quantized_llama serves this model: its logits are not offered"),
         }
     }
