@@ -52,6 +52,8 @@ pub struct QuantizedRows {
     blocks_per_row: usize,
     d: Vec<f32>,
     s: Vec<f32>,
+    /// The sums as Q8_1 holds them, for Q4_1 ([`quantize_block`]).
+    s_f16: Vec<f32>,
     qs: Vec<[i8; BLOCK]>,
 }
 
@@ -71,9 +73,10 @@ impl QuantizedRows {
         let blocks = x.len() / BLOCK;
         self.d.resize(blocks, 0.0);
         self.s.resize(blocks, 0.0);
+        self.s_f16.resize(blocks, 0.0);
         self.qs.resize(blocks, [0; BLOCK]);
         for (b, x) in x.chunks_exact(BLOCK).enumerate() {
-            (self.d[b], self.s[b]) = quantize_block(x, &mut self.qs[b]);
+            (self.d[b], self.s[b], self.s_f16[b]) = quantize_block(x, &mut self.qs[b]);
         }
     }
 
@@ -81,17 +84,21 @@ impl QuantizedRows {
         self.d.len() / self.blocks_per_row.max(1)
     }
 
-    fn row(&self, i: usize) -> ActRow<'_> {
+    /// Row `i`, with the block sums the products with `qtype` weights take.
+    fn row(&self, i: usize, qtype: QType) -> ActRow<'_> {
         let r = i * self.blocks_per_row..(i + 1) * self.blocks_per_row;
-        ActRow { d: &self.d[r.clone()], s: &self.s[r.clone()], qs: &self.qs[r] }
+        let s = if qtype == QType::Q4_1 { &self.s_f16 } else { &self.s };
+        ActRow { d: &self.d[r.clone()], s: &s[r.clone()], qs: &self.qs[r] }
     }
 }
 
-/// Rounds one block to bytes; returns `(d, d * Σ qs)`, both rounded to f16 as GGML's Q8_0
-/// and Q8_1 blocks store them, so products are llama.cpp's (candle's, ported from it, agree
-/// to 1e-6; with F32 scales they moved logits by ~1% of the largest, as far from exact
-/// arithmetic as llama.cpp's but elsewhere).
-fn quantize_block(x: &[f32], qs: &mut [i8; BLOCK]) -> (f32, f32) {
+/// Rounds one block to bytes; returns `(d, d * Σ qs, f16(d * Σ qs))` as GGML's blocks hold
+/// them, so products are llama.cpp's (candle's, ported from it, agree to 1e-6; with F32 scales
+/// they moved logits by ~1% of the largest, as far from exact arithmetic as llama.cpp's but
+/// elsewhere): `d` rounded to f16 (Q8_0 and Q8_1), the sum with it (Q4_0's offset, through
+/// Q8_0's products), and the sum of the unrounded `d` rounded to f16 (Q8_1's, for Q4_1's
+/// minimum: where `d` is a coarse subnormal f16 it keeps the larger sum's precision).
+fn quantize_block(x: &[f32], qs: &mut [i8; BLOCK]) -> (f32, f32, f32) {
     // Adding 1.5 * 2^23 rounds to the nearest integer without a libm call.
     const ROUND: f32 = 12_582_912.0;
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -104,7 +111,7 @@ fn quantize_block(x: &[f32], qs: &mut [i8; BLOCK]) -> (f32, f32) {
         sum += *q as i32;
     }
     let f16 = |v: f32| half::f16::from_f32(v).to_f32();
-    (f16(d), f16(d * sum as f32))
+    (f16(d), f16(d) * sum as f32, f16(d * sum as f32))
 }
 
 /// A weight matrix of `rows` x `cols` values in GGML blocks, held as three arrays: each
@@ -234,7 +241,7 @@ impl QMatrix {
         let tasks = rayon::current_num_threads() * 4;
         let rows_per_task = self.rows.div_ceil(tasks).max(16);
         if m == 1 {
-            let x = x.row(0);
+            let x = x.row(0, self.qtype);
             out.par_chunks_mut(rows_per_task).enumerate().for_each(|(c, chunk)| {
                 let first = c * rows_per_task;
                 let done = chunk.len() / TILE * TILE;
@@ -262,12 +269,12 @@ impl QMatrix {
                     let w = self.weight_row(c * rows_per_task + j);
                     let mut i = i0;
                     while i + TILE <= i1 {
-                        let [dots] = kernel.tile([w], [x.row(i), x.row(i + 1), x.row(i + 2), x.row(i + 3)]);
+                        let [dots] = kernel.tile([w], [x.row(i, self.qtype), x.row(i + 1, self.qtype), x.row(i + 2, self.qtype), x.row(i + 3, self.qtype)]);
                         ys[i..i + TILE].copy_from_slice(&dots);
                         i += TILE;
                     }
                     for (i, y) in ys.iter_mut().enumerate().take(i1).skip(i) {
-                        *y = kernel.tile([w], [x.row(i)])[0][0];
+                        *y = kernel.tile([w], [x.row(i, self.qtype)])[0][0];
                     }
                 }
             }
@@ -623,7 +630,7 @@ mod tests {
                 for r in 0..w.rows() {
                     w.dequantize_row(r, &mut row);
                     for i in 0..m {
-                        let a = xq.row(i);
+                        let a = xq.row(i, qtype);
                         // Rounding moves each activation by at most half its block's step.
                         let (mut exact, mut from_quantized, mut bound) = (0f64, 0f64, 1e-4);
                         for (k, &wv) in row.iter().enumerate() {
@@ -633,7 +640,12 @@ mod tests {
                             bound += (wv.abs() * d) as f64 / 2.0;
                         }
                         let got = out[i * w.rows() + r] as f64;
-                        assert!((got - from_quantized).abs() < 1e-4 * (1.0 + from_quantized.abs()), "{qtype:?} m={m} [{i},{r}]: {got} vs {from_quantized}");
+                        // Q4_1's minimum meets the block sums as Q8_1 rounds them to f16.
+                        let rounded_sums: f64 = match qtype {
+                            QType::Q4_1 => w.weight_row(r).offsets.iter().zip(a.s).map(|(m, s)| (m * s).abs() as f64 / 2048.0).sum(),
+                            _ => 0.0,
+                        };
+                        assert!((got - from_quantized).abs() < 1e-4 * (1.0 + from_quantized.abs()) + rounded_sums, "{qtype:?} m={m} [{i},{r}]: {got} vs {from_quantized}");
                         assert!((got - exact).abs() <= bound, "{qtype:?} m={m} [{i},{r}]: {got} vs exact {exact}");
                         let scalar = dot_scalar(qtype, w.weight_row(r), a) as f64;
                         assert!((got - scalar).abs() < 1e-4 * (1.0 + scalar.abs()), "{qtype:?} scalar");
