@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 
 use candle_core::Device;
 use serde_json::Value;
-use tern_models::generate::{ChatMessage, GenerateError, GenerateOptions, Llm, Prompt, WeightLayout};
+use tern_models::generate::{ChatMessage, ChatTemplate, GenerateError, GenerateOptions, Llm, Prompt, WeightLayout};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llm")
@@ -184,4 +184,31 @@ fn gemma_conversations_render_with_gemmas_template() {
 fn files_without_a_template_get_chatml() {
     let llm = Llm::load_gguf(&fixtures().join("qwen2.gguf"), &Device::Cpu).unwrap();
     assert_eq!(llm.render_chat(&[user("Hi")]).unwrap(), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+}
+
+/// Published templates of real models (llama.cpp's copies: Qwen2.5, Qwen3, Llama 3.1 and 3.2,
+/// Phi-3.5, Gemma 2, SmolLM3) render three conversations exactly as Jinja2 set up as
+/// transformers renders them (`scripts/peers/chat_template_reference.py`), refusals included.
+#[test]
+fn published_templates_render_as_transformers_renders_them() {
+    let dir = fixtures().join("templates");
+    let expected: Value = serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+    let today = chrono::NaiveDate::parse_from_str(expected["date"].as_str().unwrap(), "%Y-%m-%d").unwrap().and_hms_opt(0, 0, 0).unwrap();
+    let conversations: Vec<Vec<ChatMessage>> = serde_json::from_value(expected["conversations"].clone()).unwrap();
+    for (name, t) in expected["templates"].as_object().unwrap() {
+        let source = std::fs::read_to_string(dir.join(format!("{name}.jinja"))).unwrap();
+        let template = ChatTemplate::new(source, t["bos"].as_str().unwrap().into(), t["eos"].as_str().unwrap().into(), Some(today)).unwrap();
+        for (messages, want) in conversations.iter().zip(t["rendered"].as_array().unwrap()) {
+            let got = template.render(messages);
+            match want.as_str() {
+                Some(want) => assert_eq!(got.unwrap(), want, "{name}: {messages:?}"),
+                None => {
+                    let err = got.unwrap_err();
+                    let err = err.downcast_ref::<GenerateError>().expect("a GenerateError");
+                    assert_eq!(err.code(), "invalid_messages", "{name}");
+                    assert_eq!(err.to_string(), want["error"].as_str().unwrap(), "{name}");
+                }
+            }
+        }
+    }
 }

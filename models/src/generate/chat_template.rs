@@ -43,7 +43,7 @@ const GEMMA: &str = "{{ bos_token }}
 const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 /// A model's chat template, compiled once.
-pub(crate) struct ChatTemplate {
+pub struct ChatTemplate {
     env: Environment<'static>,
     bos: String,
     eos: String,
@@ -57,23 +57,34 @@ impl ChatTemplate {
             None if arch == Architecture::Gemma3 => GEMMA.to_string(),
             None => CHATML.to_string(),
         };
+        let special = |key: &str| {
+            let id = super::metadata_int(content, key).and_then(|v| u32::try_from(v).ok());
+            id.and_then(|id| vocabulary.token_text(id)).unwrap_or_default().to_string()
+        };
+        ChatTemplate::new(source, special("tokenizer.ggml.bos_token_id"), special("tokenizer.ggml.eos_token_id"), None).context("the GGUF's chat template does not compile")
+    }
+
+    /// A template from its Jinja `source`, with the texts of the BOS and EOS tokens it may
+    /// write; `strftime_now` gives `today` (default: the current UTC date and time), as
+    /// transformers gives templates the current time.
+    pub fn new(source: String, bos: String, eos: String, today: Option<chrono::NaiveDateTime>) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |message: String| -> Result<String, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
-        env.add_template_owned("chat", source).context("the GGUF's chat template does not compile")?;
-        let special = |key: &str| {
-            let id = super::metadata_int(content, key).and_then(|v| u32::try_from(v).ok());
-            id.and_then(|id| vocabulary.token_text(id)).unwrap_or_default().to_string()
-        };
-        Ok(ChatTemplate { env, bos: special("tokenizer.ggml.bos_token_id"), eos: special("tokenizer.ggml.eos_token_id") })
+        env.add_function("strftime_now", move |format: String| -> String {
+            let now = today.unwrap_or_else(|| chrono::Utc::now().naive_utc());
+            now.format(&format).to_string()
+        });
+        env.add_template_owned("chat", source)?;
+        Ok(ChatTemplate { env, bos, eos })
     }
 
     /// The prompt for `messages`, the assistant's turn opened. A conversation the template
     /// refuses (`raise_exception`, such as Gemma's for roles that do not alternate) is
     /// [`GenerateError::InvalidMessages`].
-    pub(crate) fn render(&self, messages: &[ChatMessage]) -> Result<String> {
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self.env.get_template("chat")?;
         let rendered = template.render(context! {
             messages => messages,

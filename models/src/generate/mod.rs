@@ -22,14 +22,14 @@ use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 
 mod architecture;
 mod batched;
-mod chat_template;
+pub mod chat_template;
 mod cpu_pass;
 pub mod family;
 pub mod sampling;
 mod vocabulary;
 use architecture::{Architecture, Config};
 use batched::BatchedLlama;
-use chat_template::ChatTemplate;
+pub use chat_template::ChatTemplate;
 use cpu_pass::{CpuPass, Segment};
 use sampling::{pick_tokens, RowSettings, Sampler};
 use serde::{Deserialize, Serialize};
