@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 
@@ -24,19 +24,24 @@ mod architecture;
 mod batched;
 pub mod chat_template;
 mod cpu_pass;
+mod decoding;
 pub mod family;
+mod gguf;
+mod request;
 pub mod sampling;
 mod vocabulary;
+use decoding::{Decoding, IncrementalText, Step};
+use gguf::{metadata_array, metadata_int, metadata_str, requantize, resident_bytes, value_int, WITHOUT_CPU_KERNEL};
+pub use request::{
+    ChatMessage, FinishReason, GenerateError, GenerateOptions, Generation, GenerationRequest, Prompt, DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_STOP_SEQUENCES,
+};
 use architecture::{Architecture, Config};
 use batched::BatchedLlama;
 pub use chat_template::ChatTemplate;
 use cpu_pass::{CpuPass, Segment};
 use sampling::{pick_tokens, RowSettings, Sampler};
-use serde::{Deserialize, Serialize};
 use vocabulary::Vocabulary;
 
-/// Default for [`GenerateOptions::max_tokens`].
-pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// How the forward pass made of candle's ops (a GPU's) keeps the weight matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightLayout {
@@ -49,11 +54,7 @@ pub enum WeightLayout {
     Dense,
 }
 
-/// Default for [`GenerateOptions::temperature`].
-pub const DEFAULT_TEMPERATURE: f64 = 0.7;
-/// Most stop sequences [`GenerateOptions::stop`] may hold.
-pub const MAX_STOP_SEQUENCES: usize = 4;
-/// Context length assumed when the GGUF metadata does not state `llama.context_length`.
+/// Context length assumed when the GGUF metadata does not state `{architecture}.context_length`.
 pub const DEFAULT_CONTEXT_LENGTH: usize = 2048;
 /// Most positions tern's forward pass offers: 32,768 (its rotary tables take 4 bytes per
 /// position and head dimension, 8 MB at this length for 64-wide heads).
@@ -68,186 +69,6 @@ const PREFILL_CHUNK: usize = 512;
 /// admitted together have their prompts read together: about what one request of
 /// [`PREFILL_CHUNK`] tokens reads at once, times 8.
 const PREFILL_GROUP_TOKENS: usize = 8 * PREFILL_CHUNK;
-
-/// The byte-level decoder turns an incomplete UTF-8 sequence into this character.
-const REPLACEMENT: char = '\u{FFFD}';
-
-/// Sampling settings for one request. [`Default`] gives the documented defaults.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GenerateOptions {
-    /// Most tokens to generate, at least 1. Default [`DEFAULT_MAX_TOKENS`] (256). The prompt
-    /// plus `max_tokens` must fit in [`Llm::context_length`].
-    pub max_tokens: usize,
-    /// Softmax temperature, finite and >= 0. Default [`DEFAULT_TEMPERATURE`] (0.7); 0 means
-    /// greedy (argmax) decoding, which ignores `top_p` and `seed`.
-    pub temperature: f64,
-    /// Nucleus sampling: sample only from the most likely tokens whose probabilities add up
-    /// to `top_p`, in (0, 1]. Default `None` (sample from the whole distribution).
-    pub top_p: Option<f64>,
-    /// Sample only from the `top_k` likeliest tokens (those tied with the k-th too), at least
-    /// 1; applied before `top_p`. Default `None` (no cut).
-    pub top_k: Option<usize>,
-    /// Seed of the sampler: the same prompt, options and seed give the same text. Default 0.
-    pub seed: u64,
-    /// Stop sequences, at most [`MAX_STOP_SEQUENCES`], none empty. Default none. Matched on
-    /// the decoded text (so across token boundaries); generation ends at the first match and
-    /// the returned text stops just before it.
-    pub stop: Vec<String>,
-}
-
-impl Default for GenerateOptions {
-    fn default() -> Self {
-        Self {
-            max_tokens: DEFAULT_MAX_TOKENS,
-            temperature: DEFAULT_TEMPERATURE,
-            top_p: None,
-            top_k: None,
-            seed: 0,
-            stop: Vec::new(),
-        }
-    }
-}
-
-impl GenerateOptions {
-    /// Checks the limits stated on each field.
-    pub fn validate(&self) -> Result<(), GenerateError> {
-        let invalid =
-            |m: String| -> Result<(), GenerateError> { Err(GenerateError::InvalidOptions(m)) };
-        if self.max_tokens == 0 {
-            return invalid("max_tokens must be at least 1".into());
-        }
-        if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return invalid(format!(
-                "temperature must be a finite number >= 0, got {}",
-                self.temperature
-            ));
-        }
-        if let Some(p) = self.top_p {
-            // Written so that NaN fails too.
-            if !(p > 0.0 && p <= 1.0) {
-                return invalid(format!("top_p must be in (0, 1], got {p}"));
-            }
-        }
-        if self.top_k == Some(0) {
-            return invalid("top_k must be at least 1".into());
-        }
-        if self.stop.len() > MAX_STOP_SEQUENCES {
-            return invalid(format!(
-                "at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {}",
-                self.stop.len()
-            ));
-        }
-        if self.stop.iter().any(String::is_empty) {
-            return invalid("stop sequences must not be empty".into());
-        }
-        Ok(())
-    }
-}
-
-/// One turn of a conversation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    /// `system`, `user` or `assistant` (not checked: the template takes any role).
-    pub role: String,
-    /// The message text.
-    pub content: String,
-}
-
-/// What to continue.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Prompt {
-    /// Raw text, tokenised as is, after the BOS token where the model's metadata asks for one
-    /// (`tokenizer.ggml.add_bos_token`: Gemma, Llama; not SmolLM2 or Qwen). Special tokens
-    /// written in it, such as `<|im_start|>`, are recognised as such.
-    Text(String),
-    /// A conversation, rendered with the model's chat template (`tokenizer.chat_template`, or
-    /// its architecture's published one) with the assistant's turn opened. Must not be empty.
-    Chat(Vec<ChatMessage>),
-}
-
-impl Prompt {
-    /// A cheap upper estimate of the prompt's tokens, for admission: a third of its characters
-    /// plus the chat template's few tokens per message (BPE tokens of English text average
-    /// about four characters).
-    pub fn approximate_tokens(&self) -> usize {
-        match self {
-            Prompt::Text(t) => t.len() / 3 + 1,
-            Prompt::Chat(messages) => messages.iter().map(|m| (m.role.len() + m.content.len()) / 3 + 5).sum::<usize>() + 20,
-        }
-    }
-}
-
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FinishReason {
-    /// The model ended its answer (an end-of-turn or end-of-sequence token) or a stop sequence
-    /// matched.
-    Stop,
-    /// `max_tokens` tokens were generated.
-    Length,
-}
-
-/// The result of [`Llm::generate`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct Generation {
-    /// The generated text, without the end token and without a matched stop sequence.
-    pub text: String,
-    /// Tokens in the rendered prompt.
-    pub prompt_tokens: usize,
-    /// Tokens generated, not counting the end token (end of turn or sequence), which is not
-    /// part of the text. A token that completed a stop sequence is counted.
-    pub completion_tokens: usize,
-    /// Why generation ended.
-    pub finish_reason: FinishReason,
-}
-
-/// Why a request cannot be served. Each variant has a stable machine code, see
-/// [`GenerateError::code`]. Returned inside `anyhow::Error`: find it with
-/// `err.downcast_ref::<GenerateError>()`; any other error is an internal failure.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum GenerateError {
-    /// The prompt renders to no tokens, or the conversation has no messages. Code `prompt_empty`.
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    /// Prompt plus `max_tokens` do not fit in the context. Code `context_length_exceeded`.
-    #[error(
-        "the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the \
-         model's context length of {context_length} tokens"
-    )]
-    ContextOverflow {
-        /// Tokens in the rendered prompt.
-        prompt_tokens: usize,
-        /// The requested `max_tokens`.
-        max_tokens: usize,
-        /// [`Llm::context_length`].
-        context_length: usize,
-    },
-    /// An option is out of its documented range. Code `invalid_options`.
-    #[error("invalid generation options: {0}")]
-    InvalidOptions(String),
-    /// The progress callback asked to stop. Code `canceled`.
-    #[error("generation was canceled")]
-    Canceled,
-    /// The model's chat template refuses the conversation (Gemma's, for roles that do not
-    /// alternate user/assistant). Code `invalid_messages`.
-    #[error("{0}")]
-    InvalidMessages(String),
-}
-
-impl GenerateError {
-    /// Stable machine-readable code: `prompt_empty`, `context_length_exceeded`,
-    /// `invalid_options`, `canceled` or `invalid_messages`.
-    pub fn code(&self) -> &'static str {
-        match self {
-            GenerateError::EmptyPrompt => "prompt_empty",
-            GenerateError::ContextOverflow { .. } => "context_length_exceeded",
-            GenerateError::InvalidOptions(_) => "invalid_options",
-            GenerateError::Canceled => "canceled",
-            GenerateError::InvalidMessages(_) => "invalid_messages",
-        }
-    }
-}
 
 /// A loaded model with its tokenizer and chat template.
 pub struct Llm {
@@ -934,293 +755,8 @@ impl BatchedPass for BatchedLlama {
 trait ReadSeek: std::io::Read + std::io::Seek {}
 impl<T: std::io::Read + std::io::Seek> ReadSeek for T {}
 
-/// One request of [`Llm::generate_batch`].
-pub struct GenerationRequest<'a> {
-    /// What to continue.
-    pub prompt: &'a Prompt,
-    /// Sampling settings.
-    pub options: &'a GenerateOptions,
-    /// Called after each token, as in [`Llm::generate`]; `false` cancels this request.
-    pub on_text: &'a mut dyn FnMut(&str, usize) -> bool,
-}
-
 /// A row of logits as a host tensor `(1, vocabulary)`.
 fn logits_tensor(logits: Vec<f32>) -> Result<Tensor> {
     let n = logits.len();
     Ok(Tensor::from_vec(logits, (1, n), &Device::Cpu)?)
-}
-
-/// A request being decoded: its sampler, the tokens and text so far, and its stop checks.
-struct Decoding<'a> {
-    opts: &'a GenerateOptions,
-    on_text: &'a mut dyn FnMut(&str, usize) -> bool,
-    sampler: Sampler,
-    prompt_tokens: usize,
-    generated: Vec<u32>,
-    text: IncrementalText,
-    /// Length of the text already searched for stop sequences and found settled.
-    searched: usize,
-    /// Longest stop sequence, in bytes.
-    max_stop: usize,
-}
-
-/// What a decoding step decided.
-enum Step {
-    /// Feed this token and go on.
-    Next(u32),
-    Done(Generation),
-}
-
-impl Decoding<'_> {
-    /// Picks the next token from `logits` (the vocabulary's, for the newest position, `(1,
-    /// vocabulary)` or `(vocabulary,)`, on any device) and decides whether the request goes on.
-    fn step(&mut self, llm: &Llm, logits: &Tensor) -> Result<Step> {
-        let logits = if logits.rank() == 1 { logits.unsqueeze(0)? } else { logits.clone() };
-        let next = pick_tokens(&logits, &[self.sampler.next_row()])?[0];
-        self.accept(llm, next)
-    }
-
-    /// [`Self::step`] once `next` is sampled.
-    fn accept(&mut self, llm: &Llm, next: u32) -> Result<Step> {
-        if llm.end_ids.contains(&next) {
-            return Ok(Step::Done(self.finish(FinishReason::Stop, None)));
-        }
-        self.generated.push(next);
-        let so_far = self.text.update(&llm.vocabulary, &self.generated)?;
-
-        // A new match must end in the new text, so it starts at most max_stop - 1 bytes
-        // before it.
-        let mut from = self.searched.saturating_sub(self.max_stop);
-        while !so_far.is_char_boundary(from) {
-            from -= 1;
-        }
-        if let Some(at) = find_stop(so_far, from, &self.opts.stop) {
-            return Ok(Step::Done(self.finish(FinishReason::Stop, Some(at))));
-        }
-        self.searched = so_far.trim_end_matches(REPLACEMENT).len();
-
-        if !(self.on_text)(&so_far[..settled_len(so_far, &self.opts.stop)], self.generated.len()) {
-            return Err(GenerateError::Canceled.into());
-        }
-        if self.generated.len() == self.opts.max_tokens {
-            // The logits of one more position would not be used.
-            return Ok(Step::Done(self.finish(FinishReason::Length, None)));
-        }
-        Ok(Step::Next(next))
-    }
-
-    fn finish(&mut self, finish_reason: FinishReason, stop_at: Option<usize>) -> Generation {
-        let mut text = std::mem::take(&mut self.text).into_string();
-        if let Some(at) = stop_at {
-            text.truncate(at);
-        }
-        Generation { text, prompt_tokens: self.prompt_tokens, completion_tokens: self.generated.len(), finish_reason }
-    }
-}
-
-/// Decodes the generated ids step by step. Only the ids after the last point where the text
-/// was complete UTF-8 are decoded again, so each step costs the new tokens, not the whole
-/// answer; the result equals decoding all ids at once because the byte-level decoder only
-/// concatenates bytes, and the split falls on a character boundary.
-#[derive(Default)]
-struct IncrementalText {
-    text: String,
-    /// `text[..settled_bytes]` is the decoding of `ids[..settled_ids]`, ending on a whole
-    /// character.
-    settled_bytes: usize,
-    settled_ids: usize,
-}
-
-impl IncrementalText {
-    fn update(&mut self, vocabulary: &Vocabulary, ids: &[u32]) -> Result<&str> {
-        let tail = vocabulary.decode(&ids[self.settled_ids..])?;
-        self.text.truncate(self.settled_bytes);
-        self.text.push_str(&tail);
-        // A trailing U+FFFD is (almost always) a character whose last bytes are still to come.
-        if !tail.ends_with(REPLACEMENT) {
-            self.settled_bytes = self.text.len();
-            self.settled_ids = ids.len();
-        }
-        Ok(self.text.as_str())
-    }
-
-    fn into_string(self) -> String {
-        self.text
-    }
-}
-
-/// Byte offset of the earliest stop sequence that occurs in `text[from..]`.
-fn find_stop(text: &str, from: usize, stops: &[String]) -> Option<usize> {
-    stops
-        .iter()
-        .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
-        .min()
-}
-
-/// Length of the part of `text` that later tokens cannot take back: without a trailing
-/// unfinished character and without a tail that is the beginning of a stop sequence.
-fn settled_len(text: &str, stops: &[String]) -> usize {
-    let head = text.trim_end_matches(REPLACEMENT);
-    let held = stops
-        .iter()
-        .flat_map(|stop| stop.char_indices().skip(1).map(move |(i, _)| &stop[..i]))
-        .filter(|prefix| head.ends_with(prefix))
-        .map(str::len)
-        .max()
-        .unwrap_or(0);
-    head.len() - held
-}
-
-/// Quantisations whose matrix products candle runs without SIMD kernels on the CPU (Q4_1 is
-/// SmolLM2's: ~17 tokens/s scalar, against several times that for Q8_0 with AVX2).
-const WITHOUT_CPU_KERNEL: [GgmlDType; 4] = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_1];
-
-/// A GGUF image of `content` with the `slow` tensors re-quantized to `dtype` (Q8_0 represents
-/// their values almost exactly: 8 bits per weight against their 4-5). Tensors whose rows are not
-/// a whole number of 32-wide blocks are kept as they are.
-fn requantize<R: std::io::Read + std::io::Seek>(content: &Content, reader: &mut R, slow: &[&str], dtype: GgmlDType) -> Result<Vec<u8>> {
-    let cpu = Device::Cpu;
-    let mut tensors = Vec::with_capacity(content.tensor_infos.len());
-    for name in content.tensor_infos.keys() {
-        let t = content.tensor(reader, name, &cpu)?;
-        let fits = t.shape().dims().last().is_some_and(|d| d % 32 == 0);
-        let t = if slow.contains(&name.as_str()) && fits {
-            QTensor::quantize(&t.dequantize(&cpu)?, dtype)?
-        } else {
-            t
-        };
-        tensors.push((name.as_str(), t));
-    }
-    let metadata: Vec<(&str, &Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    let mut out = std::io::Cursor::new(Vec::new());
-    candle_core::quantized::gguf_file::write(&mut out, &metadata, &refs)?;
-    Ok(out.into_inner())
-}
-
-/// Memory the loaded weights take (see [`Llm::weights_bytes`]), their matrices kept as
-/// `layout` says.
-fn resident_bytes(content: &Content, layout: WeightLayout) -> u64 {
-    let stored = |name: &str| {
-        content.tensor_infos.get(name).map_or(0, |info| {
-            let dtype = info.ggml_dtype;
-            match layout {
-                WeightLayout::Quantized => (info.shape.elem_count() / dtype.block_size() * dtype.type_size()) as u64,
-                WeightLayout::Dense => info.shape.elem_count() as u64 * 4,
-            }
-        })
-    };
-    let mut total: u64 = content.tensor_infos.keys().map(|name| stored(name)).sum();
-    if layout == WeightLayout::Dense {
-        // The lookup's F32 table is also the output matrix of tied-embedding models.
-        return total;
-    }
-    if let Some(info) = content.tensor_infos.get("token_embd.weight") {
-        // from_gguf dequantizes the embeddings to f32 for the lookup...
-        total += info.shape.elem_count() as u64 * 4;
-        // ...and keeps the quantized copy only as the output matrix of tied-embedding models.
-        if content.tensor_infos.contains_key("output.weight") {
-            total -= stored("token_embd.weight");
-        }
-    }
-    total
-}
-
-fn metadata_str<'a>(content: &'a Content, key: &str) -> Option<&'a str> {
-    content
-        .metadata
-        .get(key)
-        .and_then(|v| v.to_string().ok())
-        .map(String::as_str)
-}
-
-fn metadata_array<'a>(content: &'a Content, key: &str) -> Result<&'a Vec<Value>> {
-    content
-        .metadata
-        .get(key)
-        .with_context(|| format!("{key} is missing from the GGUF metadata"))?
-        .to_vec()
-        .with_context(|| format!("{key} is not an array"))
-}
-
-fn metadata_int(content: &Content, key: &str) -> Option<i64> {
-    content.metadata.get(key).and_then(value_int)
-}
-
-/// Any GGUF integer type: writers differ in the width they pick for ids and counts.
-fn value_int(v: &Value) -> Option<i64> {
-    match *v {
-        Value::U8(x) => Some(x.into()),
-        Value::I8(x) => Some(x.into()),
-        Value::U16(x) => Some(x.into()),
-        Value::I16(x) => Some(x.into()),
-        Value::U32(x) => Some(x.into()),
-        Value::I32(x) => Some(x.into()),
-        Value::U64(x) => i64::try_from(x).ok(),
-        Value::I64(x) => Some(x),
-        _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn stops(s: &[&str]) -> Vec<String> {
-        s.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn settled_len_holds_back_stop_prefixes_and_unfinished_chars() {
-        let s = stops(&["\n\n", "END"]);
-        assert_eq!(settled_len("abc", &s), 3);
-        assert_eq!(settled_len("abc\n", &s), 3);
-        assert_eq!(settled_len("abcEN", &s), 3);
-        assert_eq!(settled_len("abcE", &s), 3);
-        assert_eq!(settled_len("abc\u{FFFD}", &s), 3);
-        assert_eq!(settled_len("a\u{FFFD}b", &s), 5);
-        assert_eq!(settled_len("abc", &[]), 3);
-    }
-
-    #[test]
-    fn find_stop_takes_the_earliest_match() {
-        let s = stops(&["lo", "he"]);
-        assert_eq!(find_stop("the hello", 0, &s), Some(1));
-        assert_eq!(find_stop("the hello", 2, &s), Some(4));
-        assert_eq!(find_stop("the hello", 8, &s), None);
-    }
-
-    #[test]
-    fn options_are_checked() {
-        assert!(GenerateOptions::default().validate().is_ok());
-        let with = |change: fn(&mut GenerateOptions)| {
-            let mut o = GenerateOptions::default();
-            change(&mut o);
-            o
-        };
-        let bad = [
-            with(|o| o.max_tokens = 0),
-            with(|o| o.temperature = -0.1),
-            with(|o| o.temperature = f64::NAN),
-            with(|o| o.top_p = Some(0.0)),
-            with(|o| o.top_p = Some(1.5)),
-            with(|o| o.stop = stops(&["a", "b", "c", "d", "e"])),
-            with(|o| o.stop = stops(&[""])),
-        ];
-        for o in bad {
-            assert_eq!(o.validate().unwrap_err().code(), "invalid_options", "{o:?}");
-        }
-    }
-
-    #[test]
-    fn finish_reason_serialises_lowercase() {
-        assert_eq!(
-            serde_json::to_string(&FinishReason::Stop).unwrap(),
-            "\"stop\""
-        );
-        assert_eq!(
-            serde_json::to_string(&FinishReason::Length).unwrap(),
-            "\"length\""
-        );
-    }
 }
