@@ -10,8 +10,11 @@
 //! | `phi3` | halves | q, k, v in one matrix; gate and up in one; sliding window |
 //! | `gemma3` | halves | embeddings times sqrt(hidden), GELU, norms after attention and feed-forward too, q/k norms, 5 of 6 layers on a 512-token window with their own rotary base |
 
+use std::io::{Read, Seek};
+
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::Device;
 
 use super::{metadata_int, metadata_str};
 
@@ -169,6 +172,19 @@ impl Config {
             fused_qkv: has("blk.0.attn_qkv.weight"),
             fused_gate_up: !has("blk.0.ffn_gate.weight"),
         })
+    }
+
+    /// Reads Llama 3.1's rotary divisors (`rope_freqs.weight`, `rotated / 2` of them) into
+    /// [`Config::rope_factors`], where the file has them.
+    pub(crate) fn read_rope_factors<R: Read + Seek>(&mut self, content: &Content, reader: &mut R) -> Result<()> {
+        const NAME: &str = "rope_freqs.weight";
+        if !content.tensor_infos.contains_key(NAME) {
+            return Ok(());
+        }
+        let factors: Vec<f32> = content.tensor(reader, NAME, &Device::Cpu)?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+        ensure!(factors.len() == self.rotated / 2, "{NAME} holds {} values for {} rotary dimensions", factors.len(), self.rotated);
+        self.rope_factors = Some(factors);
+        Ok(())
     }
 
     /// Whether layer `l` attends over the window only: Gemma 3's five of every six, Phi-3's all.

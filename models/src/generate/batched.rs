@@ -236,24 +236,20 @@ impl Drop for RowCache {
 }
 
 impl BatchedLlama {
-    /// Loads the model onto `device` with rotary tables for `positions` positions, its matrices
-    /// kept as `layout` says; `Ok(None)` for a variant it does not implement
-    /// ([`Config::from_gguf`]).
+    /// Loads the model of shape `cfg` (the file's, [`Config::from_gguf`]) onto `device` with
+    /// rotary tables for `positions` positions, its matrices kept as `layout` says.
     pub(crate) fn from_gguf<R: Read + Seek>(
+        cfg: &Config,
         content: &Content,
         reader: &mut R,
         device: &Device,
         positions: usize,
         layout: WeightLayout,
-    ) -> Result<Option<BatchedLlama>> {
-        // A variant no pass of tern's implements (a mixture of experts) goes to candle's
-        // quantized_llama.
-        let Ok(mut cfg) = Config::from_gguf(content) else { return Ok(None) };
-        let plain = cfg.arch == Architecture::Llama && cfg.rotated == cfg.head_dim && cfg.rope_scale == 1.0 && !content.tensor_infos.contains_key("rope_freqs.weight");
+    ) -> Result<BatchedLlama> {
+        let mut cfg = cfg.clone();
+        cfg.read_rope_factors(content, reader)?;
+        let plain = cfg.arch == Architecture::Llama && cfg.rotated == cfg.head_dim && cfg.rope_scale == 1.0 && cfg.rope_factors.is_none();
         let mut tensor = |name: &str| content.tensor(reader, name, device).with_context(|| format!("reading {name}"));
-        if content.tensor_infos.contains_key("rope_freqs.weight") {
-            cfg.rope_factors = Some(tensor("rope_freqs.weight")?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?);
-        }
         let matrix = |t: QTensor| -> Result<Matrix> {
             Ok(match layout {
                 WeightLayout::Quantized => Matrix::Quantized(QMatMul::from_qtensor(t)?),
@@ -360,7 +356,7 @@ impl BatchedLlama {
             kernels: Default::default(),
         };
         batched.set_fused_step(true);
-        Ok(Some(batched))
+        Ok(batched)
     }
 
     /// Whether decoding steps run fused on a GPU (`fused_step`; the default where it serves the

@@ -11,7 +11,8 @@ use super::architecture::Architecture;
 use super::vocabulary::Vocabulary;
 use super::{metadata_str, ChatMessage, GenerateError};
 
-/// Gemma's template (google/gemma-3-270m's `tokenizer_config.json`), for files converted without
+/// Gemma's template (google/gemma-3-270m's `tokenizer_config.json`) for text contents, its
+/// branches for image parts left out (messages here are text), for files converted without
 /// one: a system message is put before the first user turn; roles must alternate.
 const GEMMA: &str = "{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}

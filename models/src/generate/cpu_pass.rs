@@ -98,23 +98,22 @@ pub(crate) fn convertible_to_q8_0(content: &Content, cfg: &Config) -> Vec<String
 }
 
 impl CpuPass {
-    /// Loads the model, with rotary tables for `positions` positions. `Ok(None)` when the file
-    /// holds a matrix this pass does not multiply (see [`convertible_to_q8_0`]) or rows that
-    /// are not whole 32-wide blocks.
-    pub(crate) fn from_gguf<R: Read + Seek>(content: &Content, reader: &mut R, positions: usize) -> Result<Option<CpuPass>> {
-        let mut cfg = Config::from_gguf(content)?;
-        let supported = content.tensor_infos.values().all(|info| match info.shape.rank() {
-            2 => qtype(info.ggml_dtype).is_some() && info.shape.dims()[1] % BLOCK == 0,
+    /// Loads the model of shape `cfg` (the file's, [`Config::from_gguf`]), with rotary tables
+    /// for `positions` positions. `Ok(None)` when the file holds a matrix this pass does not
+    /// multiply (see [`convertible_to_q8_0`]) or rows that are not whole 32-wide blocks.
+    pub(crate) fn from_gguf<R: Read + Seek>(cfg: &Config, content: &Content, reader: &mut R, positions: usize) -> Result<Option<CpuPass>> {
+        // Matrix types are convertible_to_q8_0's to check.
+        let whole_blocks = content.tensor_infos.values().all(|info| match info.shape.rank() {
+            2 => info.shape.dims()[1] % BLOCK == 0,
             _ => info.ggml_dtype == GgmlDType::F32,
         });
-        if !supported || !convertible_to_q8_0(content, &cfg).is_empty() {
+        if !whole_blocks || !convertible_to_q8_0(content, cfg).is_empty() {
             return Ok(None);
         }
+        let mut cfg = cfg.clone();
+        cfg.read_rope_factors(content, reader)?;
         let (hidden, heads, kv_heads, head_dim) = (cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim);
         let mut tensors = Tensors { content, reader };
-        if content.tensor_infos.contains_key("rope_freqs.weight") {
-            cfg.rope_factors = Some(tensors.vector("rope_freqs.weight", cfg.rotated / 2)?);
-        }
         let mut layer_list = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let name = |part: &str| format!("blk.{l}.{part}.weight");
@@ -459,7 +458,8 @@ mod tests {
         let mut reader = BufReader::new(File::open(&path).unwrap());
         let content = Content::read(&mut reader).unwrap();
         let vocabulary = super::super::vocabulary::Vocabulary::from_gguf(&content).unwrap();
-        let ours = CpuPass::from_gguf(&content, &mut reader, 256).unwrap().expect("SmolLM2's types are supported");
+        let cfg = Config::from_gguf(&content).unwrap();
+        let ours = CpuPass::from_gguf(&cfg, &content, &mut reader, 256).unwrap().expect("SmolLM2's types are supported");
         let matrices: Vec<&str> = content.tensor_infos.iter().filter(|(_, i)| i.shape.rank() == 2).map(|(n, _)| n.as_str()).collect();
         let exact_gguf = super::super::requantize(&content, &mut reader, &matrices, GgmlDType::F32).unwrap();
         let mut cursor = std::io::Cursor::new(exact_gguf);
@@ -498,7 +498,7 @@ mod tests {
         let Some(path) = smollm2() else { return };
         let mut reader = BufReader::new(File::open(&path).unwrap());
         let content = Content::read(&mut reader).unwrap();
-        let pass = CpuPass::from_gguf(&content, &mut reader, 128).unwrap().unwrap();
+        let pass = CpuPass::from_gguf(&Config::from_gguf(&content).unwrap(), &content, &mut reader, 128).unwrap().unwrap();
         let prompts: [&[u32]; 2] = [&[1, 2, 3, 4, 5, 6, 7], &[100, 200, 300]];
         let alone: Vec<Vec<Vec<f32>>> = prompts
             .iter()

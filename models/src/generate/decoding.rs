@@ -81,8 +81,9 @@ impl Decoding<'_> {
 
 /// Decodes the generated ids step by step. Only the ids after the last point where the text
 /// was complete UTF-8 are decoded again, so each step costs the new tokens, not the whole
-/// answer; the result equals decoding all ids at once because the byte-level decoder only
-/// concatenates bytes, and the split falls on a character boundary.
+/// answer; the result equals decoding all ids at once because both decoders (byte-level BPE,
+/// SentencePiece) only concatenate each token's bytes, and the split falls on a character
+/// boundary.
 #[derive(Default)]
 pub(super) struct IncrementalText {
     pub(super) text: String,

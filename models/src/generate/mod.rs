@@ -203,13 +203,13 @@ impl Llm {
             let context_length = stated_context.min(MAX_CONTEXT_LENGTH);
             let convert = cpu_pass::convertible_to_q8_0(&content, cfg);
             let pass = if convert.is_empty() {
-                CpuPass::from_gguf(&content, &mut reader, context_length)
+                CpuPass::from_gguf(cfg, &content, &mut reader, context_length)
             } else {
                 let names: Vec<&str> = convert.iter().map(String::as_str).collect();
                 let gguf = requantize(&content, &mut reader, &names, GgmlDType::Q8_0).with_context(|| format!("re-quantizing {} to Q8_0", path.display()))?;
                 let mut cursor = std::io::Cursor::new(gguf);
                 let content = Content::read(&mut cursor)?;
-                CpuPass::from_gguf(&content, &mut cursor, context_length)
+                CpuPass::from_gguf(cfg, &content, &mut cursor, context_length)
             }
             .with_context(|| format!("loading the weights of {}", path.display()))?;
             match pass {
@@ -240,9 +240,9 @@ impl Llm {
             .map(|(name, _)| name.as_str())
             .collect();
         let load = |content: Content, mut reader: &mut dyn ReadSeek| -> Result<(Weights, u64)> {
-            let weights = match BatchedLlama::from_gguf(&content, &mut reader, device, context_length, layout)? {
-                Some(batched) => (Weights::Batched(batched), resident_bytes(&content, layout)),
-                None if arch != Architecture::Llama => bail!("architecture {arch:?} with these tensors is not supported"),
+            let weights = match &cfg {
+                Some(cfg) => (Weights::Batched(BatchedLlama::from_gguf(cfg, &content, &mut reader, device, context_length, layout)?), resident_bytes(&content, layout)),
+                // Only a llama variant has no Config (see above).
                 None => {
                     let bytes = resident_bytes(&content, WeightLayout::Quantized);
                     (Weights::Candle(ModelWeights::from_gguf(content, &mut reader, device)?), bytes)

@@ -36,8 +36,9 @@ const LLAMA3_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|
 /// A model's tokenizer and its special tokens.
 pub(crate) struct Vocabulary {
     codec: Codec,
-    /// The text of each token, as the file lists them.
+    /// The text of each token, as the file lists them, and its type.
     tokens: Vec<String>,
+    types: Vec<i64>,
     /// Put first in every prompt (`tokenizer.ggml.add_bos_token`; by default only for
     /// SentencePiece vocabularies, as in llama.cpp).
     pub(crate) bos: Option<u32>,
@@ -95,7 +96,7 @@ impl Vocabulary {
         };
         let bos = if add_bos { id("tokenizer.ggml.bos_token_id")? } else { None };
         let eos = id("tokenizer.ggml.eos_token_id")?;
-        Ok(Vocabulary { codec, tokens, bos, eos })
+        Ok(Vocabulary { codec, tokens, types, bos, eos })
     }
 
     /// Token ids of `text` (no BOS); control and user-defined tokens written in it become
@@ -111,8 +112,29 @@ impl Vocabulary {
     pub(crate) fn decode(&self, ids: &[u32]) -> Result<String> {
         match &self.codec {
             Codec::Bpe(t) => t.decode(ids, true).map_err(|e| anyhow!("detokenizing: {e}")),
-            Codec::Spm(s) => Ok(s.decode(ids)),
+            Codec::Spm(_) => Ok(self.decode_pieces(ids)),
         }
+    }
+
+    /// SentencePiece's decoding: `▁` as a space, byte tokens as their byte, user-defined
+    /// tokens as written, control tokens left out.
+    fn decode_pieces(&self, ids: &[u32]) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            let (Some(&ty), Some(piece)) = (self.types.get(id as usize), self.token_text(id)) else { continue };
+            match ty {
+                CONTROL => {}
+                BYTE => {
+                    // `<0xXX>`
+                    if let Ok(b) = u8::from_str_radix(piece.trim_start_matches("<0x").trim_end_matches('>'), 16) {
+                        bytes.push(b);
+                    }
+                }
+                USER_DEFINED => bytes.extend_from_slice(piece.as_bytes()),
+                _ => bytes.extend_from_slice(piece.replace('▁', " ").as_bytes()),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     /// The id of the token spelled `text`.
@@ -196,10 +218,8 @@ fn byte_level_bpe(content: &Content, tokens: &[String], types: &[i64]) -> Result
 /// equals), as long as the merged piece is in the vocabulary; characters no piece covers become
 /// byte tokens (`<0x41>`).
 struct SentencePiece {
-    pieces: Vec<String>,
     ids: HashMap<String, u32>,
     scores: Vec<f32>,
-    types: Vec<i64>,
     /// Each byte's token, `<0xXX>`.
     bytes: Vec<Option<u32>>,
     unknown: Option<u32>,
@@ -275,7 +295,7 @@ impl SentencePiece {
         let mut specials: Vec<(String, u32)> =
             tokens.iter().zip(types).enumerate().filter(|(_, (t, ty))| matches!(**ty, CONTROL | USER_DEFINED) && !t.is_empty()).map(|(id, (t, _))| (t.clone(), id as u32)).collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        Ok(SentencePiece { pieces: tokens.to_vec(), ids, scores, types: types.to_vec(), bytes, unknown, space_prefix, specials })
+        Ok(SentencePiece { ids, scores, bytes, unknown, space_prefix, specials })
     }
 
     fn encode(&self, text: &str) -> Vec<u32> {
@@ -374,28 +394,6 @@ impl SentencePiece {
         }
     }
 
-    fn decode(&self, ids: &[u32]) -> String {
-        let mut bytes = Vec::new();
-        for &id in ids {
-            let (Some(&ty), Some(piece)) = (self.types.get(id as usize), self.piece(id)) else { continue };
-            match ty {
-                CONTROL => {}
-                BYTE => {
-                    // `<0xXX>`
-                    if let Ok(b) = u8::from_str_radix(piece.trim_start_matches("<0x").trim_end_matches('>'), 16) {
-                        bytes.push(b);
-                    }
-                }
-                USER_DEFINED => bytes.extend_from_slice(piece.as_bytes()),
-                _ => bytes.extend_from_slice(piece.replace('▁', " ").as_bytes()),
-            }
-        }
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-
-    fn piece(&self, id: u32) -> Option<&str> {
-        self.pieces.get(id as usize).map(String::as_str)
-    }
 }
 
 enum Part<'t> {
