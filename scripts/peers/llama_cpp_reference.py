@@ -53,13 +53,11 @@ def bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
-def byte_level_vocab(specials, merges_wanted=120):
-    """256 byte tokens and merges learnt greedily from SAMPLE (words split at spaces)."""
-    table = bytes_to_unicode()
-    words = [[table[b] for b in w.encode()] for w in re.findall(r" ?\S+|\s+", SAMPLE)]
-    tokens = [table[b] for b in range(256)]
+def learn_merges(words, wanted):
+    """Up to `wanted` merges learnt greedily from `words` (lists of symbols, merged in place):
+    each time the most frequent adjacent pair, while it occurs at least twice."""
     merges = []
-    for _ in range(merges_wanted):
+    for _ in range(wanted):
         pairs = Counter()
         for w in words:
             for a, b in zip(w, w[1:]):
@@ -69,41 +67,33 @@ def byte_level_vocab(specials, merges_wanted=120):
         (a, b), count = pairs.most_common(1)[0]
         if count < 2:
             break
-        merges.append(f"{a} {b}")
-        tokens.append(a + b)
+        merges.append((a, b))
         for w in words:
             i = 0
             while i < len(w) - 1:
                 if w[i] == a and w[i + 1] == b:
                     w[i : i + 2] = [a + b]
                 i += 1
+    return merges
+
+
+def byte_level_vocab(specials, merges_wanted=120):
+    """256 byte tokens and merges learnt greedily from SAMPLE (words split at spaces)."""
+    table = bytes_to_unicode()
+    words = [[table[b] for b in w.encode()] for w in re.findall(r" ?\S+|\s+", SAMPLE)]
+    learnt = learn_merges(words, merges_wanted)
+    tokens = [table[b] for b in range(256)] + [a + b for a, b in learnt]
+    merges = [f"{a} {b}" for a, b in learnt]
     types = [1] * len(tokens) + [3] * len(specials)
     return tokens + specials, types, merges
 
 
 def sentencepiece_vocab(specials, user_defined):
     """<unk>, control tokens, byte tokens, single characters and merged pieces, scored by rank."""
-    pieces = []
     text = SAMPLE.replace(" ", "▁")
     chars = sorted(set(text) | set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!'"))
     words = [list(w) for w in re.findall(r"▁?[^▁]+|▁+", text)]
-    for _ in range(120):
-        pairs = Counter()
-        for w in words:
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] += 1
-        if not pairs:
-            break
-        (a, b), count = pairs.most_common(1)[0]
-        if count < 2:
-            break
-        pieces.append(a + b)
-        for w in words:
-            i = 0
-            while i < len(w) - 1:
-                if w[i] == a and w[i + 1] == b:
-                    w[i : i + 2] = [a + b]
-                i += 1
+    pieces = [a + b for a, b in learn_merges(words, 120)]
     tokens, types, scores = ["<unk>"], [2], [0.0]
     for s in specials:
         tokens.append(s), types.append(3), scores.append(0.0)
