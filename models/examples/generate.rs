@@ -17,7 +17,7 @@ fn main() -> anyhow::Result<()> {
     let text = rest[usize::from(chat)..].join(" ");
     let llm = Llm::load_gguf(std::path::Path::new(dir), &Device::Cpu)?;
     let prompt = if chat {
-        Prompt::Chat(vec![ChatMessage { role: "user".into(), content: text.clone() }])
+        Prompt::Chat(vec![ChatMessage::new("user", &text)])
     } else {
         Prompt::Text(text.clone())
     };

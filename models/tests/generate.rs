@@ -13,6 +13,7 @@ use tern_models::generate::{
     ChatMessage, FinishReason, GenerateError, GenerateOptions, Generation, GenerationRequest, Llm, Prompt,
     WeightLayout,
 };
+use tern_models::generate::tools::{ToolChoice, ToolUse};
 
 fn model_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("TERN_MODELS_DIR")
@@ -54,10 +55,7 @@ fn llm() -> Option<&'static Llm> {
 }
 
 fn capital_question() -> Prompt {
-    Prompt::Chat(vec![ChatMessage {
-        role: "user".into(),
-        content: "What is the capital of France? Answer with one word.".into(),
-    }])
+    Prompt::Chat(vec![ChatMessage::new("user", "What is the capital of France? Answer with one word.")])
 }
 
 fn greedy(max_tokens: usize) -> GenerateOptions {
@@ -233,7 +231,7 @@ fn cancel_and_context_errors_have_codes() {
 #[test]
 fn a_batch_serves_each_request_as_alone_and_isolates_failures() {
     let Some(llm) = llm() else { return };
-    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let story = Prompt::Chat(vec![ChatMessage::new("user", "Tell me a story about a fox.")]);
     let sampled = GenerateOptions { max_tokens: 24, temperature: 0.8, seed: 11, ..Default::default() };
     let greedy_opts = greedy(16);
     let too_long = greedy(llm.context_length());
@@ -274,7 +272,7 @@ fn one_batch(llm: &Llm, prompt: &Prompt, opts: &[GenerateOptions]) -> Vec<anyhow
 #[test]
 fn many_sampled_requests_sampled_side_by_side_each_come_out_as_alone() {
     let Some(llm) = llm() else { return };
-    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let story = Prompt::Chat(vec![ChatMessage::new("user", "Tell me a story about a fox.")]);
     let opts: Vec<GenerateOptions> =
         (0..10).map(|seed| GenerateOptions { max_tokens: 12, temperature: 0.9, seed, ..Default::default() }).collect();
     let alone: Vec<Generation> = opts.iter().map(|o| llm.generate(&story, o, &mut |_, _| true).unwrap()).collect();
@@ -292,7 +290,7 @@ fn many_sampled_requests_sampled_side_by_side_each_come_out_as_alone() {
 #[test]
 fn a_request_admitted_mid_batch_joins_the_running_one_and_each_comes_out_as_alone() {
     let Some(llm) = llm() else { return };
-    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let story = Prompt::Chat(vec![ChatMessage::new("user", "Tell me a story about a fox.")]);
     let long = GenerateOptions { max_tokens: 48, temperature: 0.8, seed: 5, ..Default::default() };
     let short = greedy(6);
     let question = capital_question();
@@ -348,7 +346,7 @@ fn the_portable_pass_decodes_each_as_alone(layout: WeightLayout) {
     let paris = llm.generate(&question, &greedy(16), &mut |_, _| true).unwrap();
     assert!(paris.text.contains("Paris"), "{paris:?}");
 
-    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox who lived by a river.".into() }]);
+    let story = Prompt::Chat(vec![ChatMessage::new("user", "Tell me a story about a fox who lived by a river.")]);
     let count = Prompt::Text("1, 2, 3, 4,".into());
     let sampled = GenerateOptions { max_tokens: 20, temperature: 0.8, seed: 3, ..Default::default() };
     let alone = [
@@ -406,7 +404,7 @@ fn top_k_of_one_and_a_tiny_top_p_sample_the_greedy_text() {
 fn tokens_picked_with_the_logits_are_those_picked_on_the_host() {
     let Some(dir) = model_dir() else { return };
     let llm = Llm::load_gguf_portable(&dir, &Device::Cpu, WeightLayout::Dense).expect("load SmolLM2 on candle's ops");
-    let story = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "Tell me a story about a fox.".into() }]);
+    let story = Prompt::Chat(vec![ChatMessage::new("user", "Tell me a story about a fox.")]);
     let opts = [
         GenerateOptions { max_tokens: 16, temperature: 0.8, seed: 1, ..Default::default() },
         GenerateOptions { max_tokens: 16, temperature: 1.0, top_k: Some(20), seed: 2, ..Default::default() },
@@ -424,3 +422,71 @@ fn tokens_picked_with_the_logits_are_those_picked_on_the_host() {
     assert!(distinct.len() > 2, "the settings and seeds should give different texts: {with_logits:?}");
 }
 
+
+fn weather_tool() -> serde_json::Value {
+    serde_json::json!({
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": { "type": "object", "properties": { "city": { "type": "string" } }, "required": ["city"] }
+        }
+    })
+}
+
+fn with_tools(text: &str, choice: ToolChoice) -> Prompt {
+    Prompt::ChatWithTools(vec![ChatMessage::new("user", text)], ToolUse { tools: vec![weather_tool()], choice, parallel: true })
+}
+
+/// SmolLM2's own template shows no tools: offering them is refused (`tools_unsupported`), and
+/// with `tool_choice` `none` the conversation renders as without them.
+#[test]
+fn tools_need_a_template_that_shows_them() {
+    let Some(llm) = llm() else { return };
+    let err = llm.generate(&with_tools("Weather in Paris?", ToolChoice::Auto), &greedy(8), &mut |_, _| true).unwrap_err();
+    assert_eq!(err.downcast_ref::<GenerateError>().map(GenerateError::code), Some("tools_unsupported"), "{err:#}");
+    let none = with_tools("Weather in Paris?", ToolChoice::None);
+    assert_eq!(llm.render_prompt(&none).unwrap(), llm.render_chat(&[ChatMessage::new("user", "Weather in Paris?")]).unwrap());
+}
+
+/// SmolLM2 speaks ChatML, as Qwen2.5 does: with Qwen2.5's published template beside the file
+/// (`chat_template.jinja`) it is shown the tools as Qwen is, and a call to a named function
+/// is begun for it and read back as OpenAI's `tool_calls`, its text never shown as it comes.
+#[test]
+fn a_named_function_is_called_and_read_back() {
+    let Some(dir) = model_dir() else { return };
+    let folder = std::env::temp_dir().join(format!("tern-tools-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).unwrap();
+    let _ = std::fs::remove_file(folder.join("model.gguf"));
+    std::os::unix::fs::symlink(dir.join("model.gguf"), folder.join("model.gguf")).unwrap();
+    let qwen = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llm/templates/qwen2.5.jinja");
+    std::fs::copy(qwen, folder.join("chat_template.jinja")).unwrap();
+    let llm = Llm::load_gguf(&folder, &Device::Cpu).unwrap();
+    std::fs::remove_dir_all(&folder).unwrap();
+
+    let prompt = with_tools("What is the weather like in Paris?", ToolChoice::Function("get_weather".into()));
+    let rendered = llm.render_prompt(&prompt).unwrap();
+    assert!(rendered.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""), "{rendered}");
+    assert!(rendered.ends_with("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "), "{rendered}");
+    let g = run(&llm, &prompt, &greedy(48));
+    assert_eq!(g.finish_reason, FinishReason::ToolCalls, "{g:?}");
+    assert_eq!(g.text, "");
+    assert_eq!(g.tool_calls.len(), 1, "{g:?}");
+    let call = &g.tool_calls[0];
+    assert_eq!((call.kind.as_str(), call.function.name.as_str()), ("function", "get_weather"));
+    let arguments: serde_json::Value = serde_json::from_str(&call.function.arguments).unwrap();
+    assert!(arguments.is_object(), "{arguments}");
+    println!("{call:?}");
+
+    // The same conversation, the call made and answered: the model answers in text.
+    let messages = vec![
+        ChatMessage::new("user", "What is the weather like in Paris?"),
+        ChatMessage { role: "assistant".into(), tool_calls: g.tool_calls.clone(), ..Default::default() },
+        ChatMessage { role: "tool".into(), content: "{\"sky\": \"sunny\", \"celsius\": 21}".into(), tool_call_id: Some(call.id.clone()), ..Default::default() },
+    ];
+    let answered = Prompt::ChatWithTools(messages, ToolUse { tools: vec![weather_tool()], choice: ToolChoice::Auto, parallel: true });
+    assert!(llm.render_prompt(&answered).unwrap().contains("<tool_response>\n{\"sky\": \"sunny\", \"celsius\": 21}\n</tool_response>"));
+    let g = run(&llm, &answered, &greedy(32));
+    println!("{g:?}");
+    assert!(g.tool_calls.is_empty() || g.finish_reason == FinishReason::ToolCalls);
+}

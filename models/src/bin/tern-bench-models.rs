@@ -518,10 +518,7 @@ fn generate(args: &Args, dir: &Path, device: &Device) -> Result<()> {
         if args.unfused_step { "as candle's ops" } else { "fused where they can be" },
         args.precision
     );
-    let prompt = Prompt::Chat(vec![ChatMessage {
-        role: "user".into(),
-        content: "Write a long story about a lighthouse keeper who finds a message in a bottle.".into(),
-    }]);
+    let prompt = Prompt::Chat(vec![ChatMessage::new("user", "Write a long story about a lighthouse keeper who finds a message in a bottle.")]);
     let prompt_tokens = llm.count_tokens(&prompt)?;
     // A long prompt for the prefill figure.
     let long_prompt = Prompt::Text((0..args.prefill_sentences).map(sentence).collect::<Vec<_>>().join(" "));

@@ -5,6 +5,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use super::sampling::{pick_tokens, Sampler};
+use super::tools::{read_calls, settled_text, CallFormat};
 use super::vocabulary::Vocabulary;
 use super::{FinishReason, GenerateError, GenerateOptions, Generation, Llm};
 
@@ -23,6 +24,18 @@ pub(super) struct Decoding<'a> {
     pub(super) searched: usize,
     /// Longest stop sequence, in bytes.
     pub(super) max_stop: usize,
+    /// Where the model may call tools: how its calls are read.
+    pub(super) tools: Option<CallReading>,
+}
+
+/// How a request's tool calls are read from its answer.
+pub(super) struct CallReading {
+    pub(super) format: CallFormat,
+    /// The text the answer was begun with in the prompt (the opening of a required call),
+    /// part of the answer that is read.
+    pub(super) opening: String,
+    /// Whether several calls are kept.
+    pub(super) parallel: bool,
 }
 
 /// What a decoding step decided.
@@ -60,7 +73,12 @@ impl Decoding<'_> {
         }
         self.searched = so_far.trim_end_matches(REPLACEMENT).len();
 
-        if !(self.on_text)(&so_far[..settled_len(so_far, &self.opts.stop)], self.generated.len()) {
+        let mut shown = &so_far[..settled_len(so_far, &self.opts.stop)];
+        if let Some(tools) = &self.tools {
+            // Calls are not text: only what surely is not one is shown as it comes.
+            shown = if tools.opening.is_empty() { settled_text(shown) } else { "" };
+        }
+        if !(self.on_text)(shown, self.generated.len()) {
             return Err(GenerateError::Canceled.into());
         }
         if self.generated.len() == self.opts.max_tokens {
@@ -70,12 +88,20 @@ impl Decoding<'_> {
         Ok(Step::Next(next))
     }
 
-    pub(super) fn finish(&mut self, finish_reason: FinishReason, stop_at: Option<usize>) -> Generation {
+    pub(super) fn finish(&mut self, mut finish_reason: FinishReason, stop_at: Option<usize>) -> Generation {
         let mut text = std::mem::take(&mut self.text).into_string();
         if let Some(at) = stop_at {
             text.truncate(at);
         }
-        Generation { text, prompt_tokens: self.prompt_tokens, completion_tokens: self.generated.len(), finish_reason }
+        let mut tool_calls = Vec::new();
+        if let Some(tools) = &self.tools {
+            let answer = format!("{}{text}", tools.opening);
+            (text, tool_calls) = read_calls(&answer, tools.format, tools.parallel);
+            if !tool_calls.is_empty() {
+                finish_reason = FinishReason::ToolCalls;
+            }
+        }
+        Generation { text, tool_calls, prompt_tokens: self.prompt_tokens, completion_tokens: self.generated.len(), finish_reason }
     }
 }
 

@@ -111,7 +111,7 @@ impl FamilyModel for Llm {
     /// Paris, as a text to complete: base models (Gemma 3 270M) do not chat.
     fn check_health(&mut self) -> Result<()> {
         let opts = GenerateOptions { max_tokens: 16, temperature: 0.0, ..Default::default() };
-        let chat = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "What is the capital of France? Answer with one word.".into() }]);
+        let chat = Prompt::Chat(vec![ChatMessage::new("user", "What is the capital of France? Answer with one word.")]);
         let answer = self.generate(&chat, &opts, &mut |_, _| true)?.text;
         if answer.to_lowercase().contains("paris") {
             return Ok(());

@@ -27,10 +27,12 @@ mod cpu_pass;
 mod decoding;
 pub mod family;
 mod gguf;
+mod python_json;
 mod request;
 pub mod sampling;
+pub mod tools;
 mod vocabulary;
-use decoding::{Decoding, IncrementalText, Step};
+use decoding::{CallReading, Decoding, IncrementalText, Step};
 use gguf::{metadata_array, metadata_int, metadata_str, requantize, resident_bytes, value_int, WITHOUT_CPU_KERNEL};
 pub use request::{
     ChatMessage, FinishReason, GenerateError, GenerateOptions, Generation, GenerationRequest, Prompt, DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_STOP_SEQUENCES,
@@ -147,7 +149,8 @@ enum Weights {
 
 impl Llm {
     /// Loads `model.gguf` from the folder `dir_or_file`, or the `.gguf` file it names, onto
-    /// `device`.
+    /// `device`. A `chat_template.jinja` in the folder (as transformers saves one) replaces
+    /// the file's chat template: for files whose template is missing, wrong or shows no tools.
     ///
     /// Supports the architectures `llama`, `qwen2`, `qwen3`, `phi3` and `gemma3`
     /// ([`architecture`]) with byte-level BPE (`gpt2`) or SentencePiece (`llama`) vocabularies
@@ -172,10 +175,10 @@ impl Llm {
     }
 
     fn load_gguf_on(dir_or_file: &Path, device: &Device, own_cpu_pass: bool, layout: WeightLayout) -> Result<Llm> {
-        let path = if dir_or_file.is_dir() {
-            dir_or_file.join("model.gguf")
+        let (path, template_file) = if dir_or_file.is_dir() {
+            (dir_or_file.join("model.gguf"), Some(dir_or_file.join("chat_template.jinja")).filter(|f| f.is_file()))
         } else {
-            dir_or_file.to_path_buf()
+            (dir_or_file.to_path_buf(), None)
         };
         let file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
         // The header holds ~100k small strings (vocabulary and merges): buffer the reads.
@@ -192,7 +195,11 @@ impl Llm {
             Err(e) => return Err(e.context(format!("reading the model's shape from {}", path.display()))),
         };
         let vocabulary = Vocabulary::from_gguf(&content).with_context(|| format!("building the tokenizer from {}", path.display()))?;
-        let template = ChatTemplate::from_gguf(&content, &vocabulary, arch).with_context(|| format!("{}", path.display()))?;
+        let template_source = match &template_file {
+            Some(f) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
+            None => None,
+        };
+        let template = ChatTemplate::from_gguf(&content, &vocabulary, arch, template_source).with_context(|| format!("{}", template_file.as_deref().unwrap_or(&path).display()))?;
         let end_ids = vocabulary.end_ids(&content);
         if end_ids.is_empty() {
             bail!("{}: the metadata names no end-of-sequence token, generation could not end before max_tokens", path.display());
@@ -580,7 +587,7 @@ impl Llm {
     fn start<'a>(&self, request: GenerationRequest<'a>) -> Result<(Decoding<'a>, Vec<u32>)> {
         let GenerationRequest { prompt, options: opts, on_text } = request;
         opts.validate()?;
-        if matches!(prompt, Prompt::Chat(m) if m.is_empty()) {
+        if prompt.messages().is_some_and(<[ChatMessage]>::is_empty) {
             return Err(GenerateError::EmptyPrompt.into());
         }
         let prompt_ids = self.prompt_ids(prompt)?;
@@ -605,6 +612,14 @@ impl Llm {
             text: IncrementalText::default(),
             searched: 0,
             max_stop: opts.stop.iter().map(String::len).max().unwrap_or(0),
+            tools: match prompt {
+                Prompt::ChatWithTools(_, tools) if offered(tools) => Some(CallReading {
+                    format: self.template.call_format(),
+                    opening: self.call_opening(tools)?,
+                    parallel: tools.parallel,
+                }),
+                _ => None,
+            },
         };
         Ok((seq, prompt_ids))
     }
@@ -651,16 +666,40 @@ impl Llm {
     /// The prompt text `messages` render to with the model's chat template, the assistant's
     /// turn opened. Errors: [`GenerateError::InvalidMessages`] where the template refuses them.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        self.template.render(messages)
+        self.template.render(messages, None)
+    }
+
+    /// The text a prompt becomes: the text itself, or the conversation rendered with the
+    /// model's chat template, the assistant's turn opened (and begun with the opening of a
+    /// call, where `tool_choice` requires one). Errors: [`GenerateError::InvalidMessages`]
+    /// where the template refuses the conversation, [`GenerateError::ToolsUnsupported`] where
+    /// tools are offered to a template that shows none.
+    pub fn render_prompt(&self, prompt: &Prompt) -> Result<String> {
+        Ok(match prompt {
+            Prompt::Text(text) => text.clone(),
+            Prompt::Chat(messages) => self.template.render(messages, None)?,
+            Prompt::ChatWithTools(messages, tools) if offered(tools) => {
+                let opening = self.call_opening(tools)?;
+                self.template.render(messages, Some(&tools.tools))? + &opening
+            }
+            Prompt::ChatWithTools(messages, _) => self.template.render(messages, None)?,
+        })
+    }
+
+    /// What the answer is begun with for the request's `tool_choice` (see
+    /// [`tools::CallFormat::forced_opening`]).
+    fn call_opening(&self, tools: &tools::ToolUse) -> Result<String> {
+        let format = self.template.call_format();
+        if format == tools::CallFormat::Unsupported {
+            return Err(GenerateError::ToolsUnsupported("this model's chat template shows no tools: it cannot call them".into()).into());
+        }
+        format.forced_opening(&tools.choice).ok_or_else(|| GenerateError::ToolsUnsupported("this model's chat template writes calls in a form tern cannot begin".into()).into())
     }
 
     /// Token ids of the rendered prompt, after the BOS token where the model asks for one
     /// (and the rendered text does not begin with it already, as chat templates often do).
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let mut ids = match prompt {
-            Prompt::Text(text) => self.encode(text)?,
-            Prompt::Chat(messages) => self.encode(&self.template.render(messages)?)?,
-        };
+        let mut ids = self.encode(&self.render_prompt(prompt)?)?;
         if let Some(bos) = self.vocabulary.bos {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
@@ -668,6 +707,11 @@ impl Llm {
         }
         Ok(ids)
     }
+}
+
+/// Whether tools are shown to the model: some are offered and `tool_choice` is not `none`.
+fn offered(tools: &tools::ToolUse) -> bool {
+    !tools.tools.is_empty() && tools.choice != tools::ToolChoice::None
 }
 
 /// A forward pass whose requests decode together: each request's prompt is read on its own,

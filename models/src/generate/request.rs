@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::tools::{ToolCall, ToolUse};
+
 /// Default for [`GenerateOptions::max_tokens`].
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// Default for [`GenerateOptions::temperature`].
@@ -82,16 +84,33 @@ impl GenerateOptions {
 }
 
 /// One turn of a conversation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant` (not checked: the template takes any role).
+    /// `system`, `user`, `assistant` or `tool` (not checked: the template takes any role).
     pub role: String,
-    /// The message text.
+    /// The message text; may be empty for an assistant's turn that only calls tools.
+    #[serde(default)]
     pub content: String,
+    /// The calls an assistant's turn made.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// In a `tool` message: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// In a `tool` message, the function's name (some templates show it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of `role` with text `content`.
+    pub fn new(role: &str, content: &str) -> ChatMessage {
+        ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
+    }
 }
 
 /// What to continue.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
     /// Raw text, tokenised as is, after the BOS token where the model's metadata asks for one
     /// (`tokenizer.ggml.add_bos_token`: Gemma, Llama; not SmolLM2 or Qwen). Special tokens
@@ -100,36 +119,61 @@ pub enum Prompt {
     /// A conversation, rendered with the model's chat template (`tokenizer.chat_template`, or
     /// its architecture's published one) with the assistant's turn opened. Must not be empty.
     Chat(Vec<ChatMessage>),
+    /// A conversation with tools the model may call: the template shows it the tools (it must
+    /// use a `tools` variable, else [`GenerateError::ToolsUnsupported`]) and the calls it
+    /// writes come back as [`Generation::tool_calls`].
+    ChatWithTools(Vec<ChatMessage>, ToolUse),
 }
 
 impl Prompt {
+    /// The conversation, for [`Prompt::Chat`] and [`Prompt::ChatWithTools`].
+    pub fn messages(&self) -> Option<&[ChatMessage]> {
+        match self {
+            Prompt::Text(_) => None,
+            Prompt::Chat(m) | Prompt::ChatWithTools(m, _) => Some(m),
+        }
+    }
+
     /// A cheap upper estimate of the prompt's tokens, for admission: a third of its characters
     /// plus the chat template's few tokens per message (BPE tokens of English text average
     /// about four characters).
     pub fn approximate_tokens(&self) -> usize {
+        let message = |m: &ChatMessage| {
+            let calls: usize = m.tool_calls.iter().map(|c| c.function.name.len() + c.function.arguments.len() + 20).sum();
+            (m.role.len() + m.content.len() + calls) / 3 + 5
+        };
         match self {
             Prompt::Text(t) => t.len() / 3 + 1,
-            Prompt::Chat(messages) => messages.iter().map(|m| (m.role.len() + m.content.len()) / 3 + 5).sum::<usize>() + 20,
+            Prompt::Chat(messages) => messages.iter().map(message).sum::<usize>() + 20,
+            Prompt::ChatWithTools(messages, tools) => {
+                let definitions: usize = tools.tools.iter().map(|t| t.to_string().len()).sum();
+                messages.iter().map(message).sum::<usize>() + definitions / 3 + 100
+            }
         }
     }
 }
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// The model ended its answer (an end-of-turn or end-of-sequence token) or a stop sequence
     /// matched.
     Stop,
     /// `max_tokens` tokens were generated.
     Length,
+    /// The answer calls tools ([`Generation::tool_calls`]).
+    ToolCalls,
 }
 
 /// The result of [`Llm::generate`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Generation {
-    /// The generated text, without the end token and without a matched stop sequence.
+    /// The generated text, without the end token and without a matched stop sequence; with
+    /// tool calls, only the text before them.
     pub text: String,
+    /// The tools the answer calls, read from its text (only with [`Prompt::ChatWithTools`]).
+    pub tool_calls: Vec<ToolCall>,
     /// Tokens in the rendered prompt.
     pub prompt_tokens: usize,
     /// Tokens generated, not counting the end token (end of turn or sequence), which is not
@@ -170,11 +214,15 @@ pub enum GenerateError {
     /// alternate user/assistant). Code `invalid_messages`.
     #[error("{0}")]
     InvalidMessages(String),
+    /// Tools were offered but the model's chat template shows none (or cannot be made to
+    /// call one, for `tool_choice` `required` or a named function). Code `tools_unsupported`.
+    #[error("{0}")]
+    ToolsUnsupported(String),
 }
 
 impl GenerateError {
     /// Stable machine-readable code: `prompt_empty`, `context_length_exceeded`,
-    /// `invalid_options`, `canceled` or `invalid_messages`.
+    /// `invalid_options`, `canceled`, `invalid_messages` or `tools_unsupported`.
     pub fn code(&self) -> &'static str {
         match self {
             GenerateError::EmptyPrompt => "prompt_empty",
@@ -182,6 +230,7 @@ impl GenerateError {
             GenerateError::InvalidOptions(_) => "invalid_options",
             GenerateError::Canceled => "canceled",
             GenerateError::InvalidMessages(_) => "invalid_messages",
+            GenerateError::ToolsUnsupported(_) => "tools_unsupported",
         }
     }
 }
@@ -236,5 +285,6 @@ mod tests {
             serde_json::to_string(&FinishReason::Length).unwrap(),
             "\"length\""
         );
+        assert_eq!(serde_json::to_string(&FinishReason::ToolCalls).unwrap(), "\"tool_calls\"");
     }
 }
