@@ -218,10 +218,12 @@ fn estimated_cost(kind: JobKind, input: &Value) -> i32 {
         JobKind::Generate => {
             let prompt = match (input["prompt"].as_str(), input["messages"].as_array()) {
                 (Some(p), _) => tokens(p),
-                // ChatML adds about 5 tokens per message.
-                (None, Some(m)) => m.iter().map(|m| tokens(m["content"].as_str().unwrap_or("")) + 5).sum(),
+                // ChatML adds about 5 tokens per message; calls and tools count as their JSON.
+                (None, Some(m)) => m.iter().map(|m| tokens(m["content"].as_str().unwrap_or("")) + tokens(&m["tool_calls"].to_string()) + 5).sum(),
                 _ => 0,
             };
+            // A template shows tools as their JSON, with instructions around it.
+            let prompt = prompt + input.get("tools").map_or(0, |t| tokens(&t.to_string()) + 100);
             let max_tokens = input["max_tokens"].as_u64().map_or(GENERATE_DEFAULT_MAX_TOKENS, |n| n as usize);
             prompt + max_tokens
         }

@@ -10,6 +10,9 @@ Usage: sdk_check.py PHASE BASE_URL API_KEY LIBRIVOX_DIR
   langchain  LangChain's OpenAI client (langchain-openai): chat, streamed chat, embeddings
   images     image generation as URLs and as base64 PNGs, with tern's extensions through
              extra_body, and its errors (on a worker with a Stable Diffusion pipeline)
+  tools      chat with tools: a named function's call, plain and streamed, read by the SDK
+             into tool_calls; the call answered; the deprecated functions refused (on a
+             worker whose model's chat template shows tools)
 Prints one line per check; exits non-zero at the first that fails.
 """
 
@@ -277,6 +280,47 @@ def images():
     expect_error("too many images", lambda: client.images.generate(prompt="p", n=9), 422, "invalid_input")
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def tools():
+    messages = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat = client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=48, temperature=0)
+    choice = chat.choices[0]
+    calls = choice.message.tool_calls or []
+    check("a named function is called", choice.finish_reason == "tool_calls" and choice.message.content is None and len(calls) == 1
+          and calls[0].type == "function" and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_"), str(choice)[:300])
+    check("its arguments are a JSON object", isinstance(json.loads(calls[0].function.arguments), dict), calls[0].function.arguments)
+
+    chunks = list(client.chat.completions.create(model="x", messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=48,
+                                                 temperature=0, stream=True))
+    deltas = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    check("the call streamed", text == "" and finish == ["tool_calls"] and len(deltas) == 1 and deltas[0].index == 0
+          and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == calls[0].function.arguments,
+          f"{len(chunks)} chunks, {deltas}")
+
+    answered = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": json.dumps({"sky": "sunny", "celsius": 21})},
+    ]
+    reply = client.chat.completions.create(model="x", messages=answered, tools=[WEATHER], max_tokens=24, temperature=0)
+    check("the call answered", reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+          and reply.usage.prompt_tokens > chat.usage.prompt_tokens, str(reply.choices[0])[:300])
+    expect_error("the deprecated functions are refused",
+                 lambda: client.chat.completions.create(model="x", messages=messages, functions=[WEATHER["function"]]),
+                 400, "unsupported_parameter", "functions")
+
+
 def langchain():
     from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
@@ -294,5 +338,5 @@ def langchain():
     check("LangChain embeddings", len(vectors) == 2 and len(vectors[0]) == 384 and cosine > 0.5, f"cos(cat, kitten) {cosine:.2f}")
 
 
-{"main": main, "translate": translate, "batch": batch, "langchain": langchain, "images": images}[phase]()
+{"main": main, "translate": translate, "batch": batch, "langchain": langchain, "images": images, "tools": tools}[phase]()
 print("all checks passed")

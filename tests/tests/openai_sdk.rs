@@ -37,6 +37,35 @@ fn run_checks(cluster: &Cluster, phase: &str) {
     assert!(text.contains("all checks passed"), "{text}");
 }
 
+/// Tools through the SDK: SmolLM2 with Qwen2.5's published chat template beside its file
+/// (`chat_template.jinja`; both speak ChatML), so the template shows the tools; a worker
+/// whose template shows none fails such a job as `tools_unsupported`, a 400.
+#[tokio::test]
+async fn the_openai_sdk_calls_tools() {
+    let mut cluster = Cluster::start(&[]).await.unwrap();
+    let folder = tern_e2e::state_dir().join(format!("smollm2-with-tools-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).unwrap();
+    let _ = std::fs::remove_file(folder.join("model.gguf"));
+    std::os::unix::fs::symlink(tern_e2e::models_dir().join("smollm2-135m-instruct/model.gguf"), folder.join("model.gguf")).unwrap();
+    let qwen = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/llm/templates/qwen2.5.jinja");
+    std::fs::copy(qwen, folder.join("chat_template.jinja")).unwrap();
+    let model = folder.display().to_string();
+    let worker = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "generate"), ("TERN_LLM_MODEL", model.as_str())]).unwrap();
+    run_checks(&cluster, "tools");
+    drop(worker);
+
+    // SmolLM2's own template shows no tools.
+    let _plain = cluster.spawn_worker(&[("TERN_WORKER_KINDS", "generate")]).unwrap();
+    let body = json!({
+        "model": "x", "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    });
+    let (status, reply) = cluster.post("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!((status, reply["error"]["code"].as_str()), (400, Some("tools_unsupported")), "{reply}");
+    std::fs::remove_dir_all(&folder).unwrap();
+}
+
 /// Images through the SDK, on the diffusion family's tiny random-weight pipeline.
 #[tokio::test]
 async fn the_openai_sdk_makes_images() {

@@ -56,9 +56,9 @@ fn invalid(param: &'static str, message: impl Into<String>) -> OpenAiError {
     OpenAiError::invalid("invalid_request", message, param)
 }
 
-/// The generate input for a request: messages or prompt, and the sampling options.
-/// Refuses what tern cannot honour (`n` > 1, tools, log-probabilities, penalties, JSON mode)
-/// rather than ignoring it.
+/// The generate input for a request: messages or prompt (with tools, for chat), and the
+/// sampling options. Refuses what tern cannot honour (`n` > 1, the deprecated `functions`,
+/// log-probabilities, penalties, JSON mode) rather than ignoring it.
 fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, OpenAiError> {
     let mut input = Map::new();
     match flavour {
@@ -70,11 +70,28 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
                     Some("system" | "developer") => "system",
                     Some("user") => "user",
                     Some("assistant") => "assistant",
-                    other => return Err(OpenAiError::unsupported("messages", format!("message role {other:?}: tern takes system, developer, user and assistant"))),
+                    Some("tool") => "tool",
+                    other => return Err(OpenAiError::unsupported("messages", format!("message role {other:?}: tern takes system, developer, user, assistant and tool"))),
                 };
-                out.push(json!({ "role": role, "content": content_text(&m["content"])? }));
+                let mut message = json!({ "role": role, "content": content_text(&m["content"])? });
+                // The calls an assistant's turn made, the call a tool's answer answers: passed
+                // on as they are (the job's schema checks them).
+                for field in ["tool_calls", "tool_call_id", "name"] {
+                    if let Some(v) = m.get(field).filter(|v| !v.is_null()) {
+                        if role == "assistant" && field == "name" {
+                            continue;
+                        }
+                        message[field] = v.clone();
+                    }
+                }
+                out.push(message);
             }
             input.insert("messages".into(), json!(out));
+            for field in ["tools", "tool_choice", "parallel_tool_calls"] {
+                if let Some(v) = body.get(field).filter(|v| !v.is_null()) {
+                    input.insert(field.into(), v.clone());
+                }
+            }
         }
         Flavour::Text => {
             let prompt = match body.get("prompt") {
@@ -108,9 +125,18 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
     if body.get("n").is_some_and(|n| !n.is_null() && n.as_f64() != Some(1.0)) {
         return Err(OpenAiError::unsupported("n", "one choice per request: n must be 1"));
     }
-    for field in ["tools", "functions", "tool_choice", "function_call"] {
+    // Chat offers tools; the deprecated `functions` never, nor do text completions.
+    let refused_tools: &[&str] = match flavour {
+        Flavour::Chat => &["functions", "function_call"],
+        Flavour::Text => &["tools", "tool_choice", "functions", "function_call"],
+    };
+    for &field in refused_tools {
         if body.get(field).is_some_and(|v| !v.is_null()) {
-            return Err(OpenAiError::unsupported("tools", "tern's models do not call tools"));
+            let message = match field {
+                "functions" | "function_call" => "the deprecated functions are not taken: give tools",
+                _ => "text completions call no tools: use chat completions",
+            };
+            return Err(OpenAiError::unsupported(field, message));
         }
     }
     if body.get("logprobs").is_some_and(|v| v.as_bool() == Some(true) || v.is_number()) {
@@ -193,7 +219,17 @@ impl Completion {
         let text = output["text"].clone();
         let finish_reason = output["finish_reason"].clone();
         let choice = match self.flavour {
-            Flavour::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text, "refusal": null }, "finish_reason": finish_reason, "logprobs": null }),
+            Flavour::Chat => {
+                let mut message = json!({ "role": "assistant", "content": text, "refusal": null });
+                if let Some(calls) = output.get("tool_calls").filter(|c| c.as_array().is_some_and(|c| !c.is_empty())) {
+                    // OpenAI's content is null where the turn only calls tools.
+                    if text.as_str().is_none_or(str::is_empty) {
+                        message["content"] = Value::Null;
+                    }
+                    message["tool_calls"] = calls.clone();
+                }
+                json!({ "index": 0, "message": message, "finish_reason": finish_reason, "logprobs": null })
+            }
             Flavour::Text => json!({ "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null }),
         };
         json!({
@@ -272,6 +308,23 @@ impl Streamed {
         }))
     }
 
+    /// A chat chunk whose delta holds the answer's tool calls, each with its `index`.
+    fn tool_calls_chunk(&self, created: i64, model: &Value, calls: &[Value], first: bool) -> Event {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(index, c)| json!({ "index": index, "id": c["id"], "type": "function", "function": c["function"] }))
+            .collect();
+        let mut delta = json!({ "tool_calls": calls });
+        if first {
+            delta["role"] = json!("assistant");
+        }
+        sse_data(&json!({
+            "id": self.flavour.id(self.waited.id), "object": self.flavour.chunk_object(), "created": created, "model": model,
+            "choices": [{ "index": 0, "delta": delta, "finish_reason": null, "logprobs": null }], "system_fingerprint": null,
+        }))
+    }
+
     /// The next events: new text as it comes, or the end of the stream.
     async fn next_events(&mut self) -> Vec<Event> {
         loop {
@@ -297,6 +350,10 @@ impl Streamed {
                 // it): nothing more is sent then.
                 if let Some(rest) = text.get(self.sent..).filter(|r| !r.is_empty()) {
                     events.push(self.chunk(created, &model, Some(rest), Value::Null, first));
+                }
+                // Calls come whole, in one chunk, once the answer is read.
+                if let Some(calls) = output["tool_calls"].as_array().filter(|c| !c.is_empty() && self.flavour == Flavour::Chat) {
+                    events.push(self.tool_calls_chunk(created, &model, calls, first && events.is_empty()));
                 }
                 events.push(self.chunk(created, &model, None, output["finish_reason"].clone(), first && events.is_empty()));
                 if self.include_usage {
@@ -364,11 +421,42 @@ mod tests {
         };
         assert_eq!(chat(json!({"n": 2})), Some(("unsupported_parameter".into(), Some("n"))));
         assert_eq!(chat(json!({"n": 1})), None);
-        assert_eq!(chat(json!({"tools": [{"type": "function"}]})), Some(("unsupported_parameter".into(), Some("tools"))));
+        assert_eq!(chat(json!({"functions": [{"name": "f"}]})), Some(("unsupported_parameter".into(), Some("functions"))));
         assert_eq!(chat(json!({"logprobs": true})), Some(("unsupported_parameter".into(), Some("logprobs"))));
         assert_eq!(chat(json!({"presence_penalty": 0.5})), Some(("unsupported_parameter".into(), Some("presence_penalty"))));
         assert_eq!(chat(json!({"response_format": {"type": "json_object"}})), Some(("unsupported_parameter".into(), Some("response_format"))));
         let prompts = generate_input(&body(json!({"prompt": ["a", "b"]})), Flavour::Text).err().map(|e| e.param);
         assert_eq!(prompts, Some(Some("prompt")));
+        let text_tools = generate_input(&body(json!({"prompt": "a", "tools": [{"type": "function"}]})), Flavour::Text).err().map(|e| e.param);
+        assert_eq!(text_tools, Some(Some("tools")));
+    }
+
+    #[test]
+    fn tools_calls_and_answers_pass_on_to_the_job() {
+        let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
+        let call = json!({"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}});
+        let input = generate_input(
+            &body(json!({
+                "tools": [tool], "tool_choice": "required", "parallel_tool_calls": false,
+                "messages": [
+                    {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": null, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
+                ],
+            })),
+            Flavour::Chat,
+        )
+        .unwrap();
+        assert_eq!(
+            input,
+            json!({
+                "messages": [
+                    {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+                ],
+                "tools": [tool], "tool_choice": "required", "parallel_tool_calls": false,
+            })
+        );
     }
 }

@@ -343,6 +343,12 @@ pub(crate) const CLIENT_FAULTS: &[&str] = &[
     "file_unreadable",
     "file_too_large",
     "url_forbidden",
+    // generate
+    "context_length_exceeded",
+    "invalid_options",
+    "invalid_messages",
+    "prompt_empty",
+    "tools_unsupported",
 ];
 
 /// A server-sent event carrying JSON, as OpenAI's streams send them (`data: {...}`).

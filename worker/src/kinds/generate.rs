@@ -11,6 +11,7 @@ use std::sync::Arc;
 use crate::engine::{Engine, EngineError, ProgressUntilReply, Served};
 use tern_jobs::{Job, JobKind};
 use tern_models::generate::family::GenerateWork;
+use tern_models::generate::tools::{ToolChoice, ToolUse};
 use tern_models::generate::{ChatMessage, GenerateOptions, Generation, Prompt};
 
 /// Generates text on the engine's language model; (text so far, tokens so far) arrives on
@@ -44,6 +45,18 @@ fn options(input: &Value) -> GenerateOptions {
     }
 }
 
+/// The tools offered (`tools`, `tool_choice`, `parallel_tool_calls`), as the schema checked them.
+fn tool_use(input: &Value) -> Option<ToolUse> {
+    let tools = input.get("tools")?.as_array()?.clone();
+    let choice = match input.get("tool_choice") {
+        Some(Value::String(c)) if c == "none" => ToolChoice::None,
+        Some(Value::String(c)) if c == "required" => ToolChoice::Required,
+        Some(Value::Object(c)) => c.get("function").and_then(|f| f["name"].as_str()).map_or(ToolChoice::Auto, |name| ToolChoice::Function(name.to_string())),
+        _ => ToolChoice::Auto,
+    };
+    Some(ToolUse { tools, choice, parallel: input.get("parallel_tool_calls").and_then(Value::as_bool).unwrap_or(true) })
+}
+
 pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let Some(engine) = ctx.engine else {
         return permanent("model_unavailable", "this worker has no model engine");
@@ -51,9 +64,10 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let input = &job.input;
     let prompt = match (input.get("prompt").and_then(Value::as_str), input.get("messages")) {
         (Some(p), None) => Prompt::Text(p.to_string()),
-        (None, Some(m)) => match serde_json::from_value::<Vec<ChatMessage>>(m.clone()) {
-            Ok(m) => Prompt::Chat(m),
-            Err(e) => return permanent("invalid_input", format!("input.messages: {e}")),
+        (None, Some(m)) => match (serde_json::from_value::<Vec<ChatMessage>>(m.clone()), tool_use(input)) {
+            (Ok(m), None) => Prompt::Chat(m),
+            (Ok(m), Some(tools)) => Prompt::ChatWithTools(m, tools),
+            (Err(e), _) => return permanent("invalid_input", format!("input.messages: {e}")),
         },
         _ => return permanent("invalid_input", "give exactly one of input.prompt and input.messages"),
     };
@@ -74,10 +88,14 @@ pub async fn run(job: &Job, ctx: &Context<'_>) -> Execution {
     let (generation, model) = (generation.value, generation.model);
     metrics::counter!("tern_tokens_total", "kind" => "generate", "phase" => "prompt").increment(generation.prompt_tokens as u64);
     metrics::counter!("tern_tokens_total", "kind" => "generate", "phase" => "completion").increment(generation.completion_tokens as u64);
-    json_output(&json!({
+    let mut output = json!({
         "model": model,
         "text": generation.text,
         "finish_reason": generation.finish_reason,
         "usage": { "prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens },
-    }))
+    });
+    if !generation.tool_calls.is_empty() {
+        output["tool_calls"] = json!(generation.tool_calls);
+    }
+    json_output(&output)
 }
