@@ -339,8 +339,8 @@ fn device_picks_choose_the_tokens_host_picks_do() {
 }
 
 /// Recordings handed over while others decode join the running batch, and each is answered as
-/// soon as it is done, with the transcript it gets alone. Joining a running batch is the path of
-/// BF16 products with trimmed windows (cross-attention packed per row), so they are chosen here.
+/// soon as it is done, with the transcript it gets alone. BF16 products with trimmed windows
+/// (cross-attention packed per row) are chosen, the path that packs the joining rows.
 #[test]
 fn recordings_join_a_running_batch_and_are_answered_as_they_finish() {
     use std::borrow::Cow;
@@ -382,7 +382,9 @@ fn recordings_join_a_running_batch_and_are_answered_as_they_finish() {
     assert!(events[first_done..].iter().any(|&(kind, i)| kind == "progress" && i == pcms.len() - 1), "{events:?}");
     let stats = whisper.last_decode_stats();
     assert_eq!(stats.seated, pcms.len(), "{stats:?}");
-    assert_eq!(stats.joined_running > 0, tern_models::precision::Precision::cpu_has_bf16_products(), "{stats:?}");
+    // Recordings join running batches in F32 too (since fd8fb1c), so on CPUs without BF16
+    // products as well.
+    assert!(stats.joined_running > 0, "{stats:?}");
 }
 
 #[test]

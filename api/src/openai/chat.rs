@@ -75,12 +75,12 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
                 };
                 let mut message = json!({ "role": role, "content": content_text(&m["content"])? });
                 // The calls an assistant's turn made, the call a tool's answer answers: passed
-                // on as they are (the job's schema checks them).
-                for field in ["tool_calls", "tool_call_id", "name"] {
-                    if let Some(v) = m.get(field).filter(|v| !v.is_null()) {
-                        if role == "assistant" && field == "name" {
-                            continue;
-                        }
+                // on (the job's schema checks them).
+                if let Some(calls) = m.get("tool_calls").and_then(Value::as_array) {
+                    message["tool_calls"] = calls.iter().map(call_of_history).collect();
+                }
+                for field in ["tool_call_id", "name"] {
+                    if let Some(v) = m.get(field).filter(|v| !v.is_null() && role != "assistant") {
                         message[field] = v.clone();
                     }
                 }
@@ -151,6 +151,24 @@ fn generate_input(body: &Map<String, Value>, flavour: Flavour) -> Result<Value, 
         return Err(OpenAiError::unsupported("response_format", "tern generates text only: response_format must be {\"type\": \"text\"}"));
     }
     Ok(Value::Object(input))
+}
+
+/// A call in the conversation's history as the job takes it: `id`, `type` and `function`'s
+/// `name` and `arguments` only (clients that rebuild calls from streamed deltas leave an
+/// `index` in them), `arguments` given as an object written as JSON text. Anything else is
+/// passed on for the job's schema to refuse.
+fn call_of_history(call: &Value) -> Value {
+    let function = &call["function"];
+    let arguments = match &function["arguments"] {
+        Value::String(text) => Value::String(text.clone()),
+        Value::Null => json!("{}"),
+        object @ Value::Object(_) => Value::String(object.to_string()),
+        _ => return call.clone(),
+    };
+    match (call["id"].as_str(), function["name"].as_str()) {
+        (Some(id), Some(name)) => json!({ "id": id, "type": "function", "function": { "name": name, "arguments": arguments } }),
+        _ => call.clone(),
+    }
 }
 
 /// A message's content: a string, or text parts (`[{"type": "text", "text": ...}]`).
@@ -434,13 +452,13 @@ mod tests {
     #[test]
     fn tools_calls_and_answers_pass_on_to_the_job() {
         let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
-        let call = json!({"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}});
+        let call = json!({"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}});
         let input = generate_input(
             &body(json!({
                 "tools": [tool], "tool_choice": "required", "parallel_tool_calls": false,
                 "messages": [
                     {"role": "user", "content": "Weather?"},
-                    {"role": "assistant", "content": null, "tool_calls": [call]},
+                    {"role": "assistant", "content": null, "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
                     {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
                 ],
             })),
