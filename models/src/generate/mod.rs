@@ -674,15 +674,15 @@ impl Llm {
     /// call, where `tool_choice` requires one). Errors: [`GenerateError::InvalidMessages`]
     /// where the template refuses the conversation, [`GenerateError::ToolsUnsupported`] where
     /// tools are offered to a template that shows none.
-    pub fn render_prompt(&self, prompt: &Prompt) -> Result<String> {
+    pub fn render_prompt<'p>(&self, prompt: &'p Prompt) -> Result<std::borrow::Cow<'p, str>> {
         Ok(match prompt {
-            Prompt::Text(text) => text.clone(),
-            Prompt::Chat(messages) => self.template.render(messages, None)?,
+            Prompt::Text(text) => text.as_str().into(),
+            Prompt::Chat(messages) => self.template.render(messages, None)?.into(),
             Prompt::ChatWithTools(messages, tools) if offered(tools) => {
                 let opening = self.call_opening(tools)?;
-                self.template.render(messages, Some(&tools.tools))? + &opening
+                (self.template.render(messages, Some(&tools.tools))? + &opening).into()
             }
-            Prompt::ChatWithTools(messages, _) => self.template.render(messages, None)?,
+            Prompt::ChatWithTools(messages, _) => self.template.render(messages, None)?.into(),
         })
     }
 
