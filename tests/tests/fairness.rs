@@ -40,9 +40,20 @@ async fn a_tenant_with_fifty_thousand_jobs_queued_does_not_hold_back_another_ten
     let bulk = cluster.client_for(&cluster.create_key("bulk", "jobs:write,jobs:read").unwrap()).unwrap();
     let small = cluster.client_for(&cluster.create_key("small", "jobs:write,jobs:read").unwrap()).unwrap();
     let (loops, batch) = (4, 64);
-    let _worker = cluster.spawn_worker(&[("TERN_CONCURRENCY", "4"), ("TERN_BATCH_SIZE", "64")]).unwrap();
-
+    // Bulk's backlog is all in place before the worker pulls (a fast worker on a slow machine
+    // could otherwise run most of it while it is still being submitted), and the worker is
+    // busy on it when small submits.
+    let (status, _) = cluster.post("/v1/admin/queues/echo/pause", &json!({})).await.unwrap();
+    assert_eq!(status, 200);
     submit_as(&cluster, &bulk, &echo_jobs(50_000, json!({"message": "bulk"}))).await;
+    let _worker = cluster.spawn_worker(&[("TERN_CONCURRENCY", "4"), ("TERN_BATCH_SIZE", "64")]).unwrap();
+    let (status, _) = cluster.post("/v1/admin/queues/echo/resume", &json!({})).await.unwrap();
+    assert_eq!(status, 200);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while started(&cluster).await.get("bulk").copied().unwrap_or(0) < loops * batch {
+        assert!(Instant::now() < deadline, "the worker started none of bulk's jobs in a minute");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE tenant = 'bulk' AND started_at IS NULL")
         .fetch_one(&cluster.pg)
         .await
