@@ -5,7 +5,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use super::sampling::{pick_tokens, Sampler};
-use super::tools::{read_calls, settled_text, CallFormat};
+use super::tools::{named_call, read_calls, settled_text, CallFormat, ObjectEnd};
 use super::vocabulary::Vocabulary;
 use super::{FinishReason, GenerateError, GenerateOptions, Generation, Llm};
 
@@ -36,6 +36,10 @@ pub(super) struct CallReading {
     pub(super) opening: String,
     /// Whether several calls are kept.
     pub(super) parallel: bool,
+    /// The function `tool_choice` names, if it names one: the answer is then that call's
+    /// arguments, and decoding ends where they close (see [`ObjectEnd`]).
+    pub(super) named: Option<String>,
+    pub(super) arguments_end: ObjectEnd,
 }
 
 /// What a decoding step decided.
@@ -72,6 +76,14 @@ impl Decoding<'_> {
             return Ok(Step::Done(self.finish(FinishReason::Stop, Some(at))));
         }
         self.searched = so_far.trim_end_matches(REPLACEMENT).len();
+        // A named function's arguments end the answer once they close, as the reference
+        // (vLLM) writes only them, its decoding guided by their schema; a small model would
+        // ramble on, often leaving the call's own object unclosed.
+        if let Some(tools) = self.tools.as_mut().filter(|t| t.named.is_some()) {
+            if let Some(end) = tools.arguments_end.find(&so_far[..self.searched]) {
+                return Ok(Step::Done(self.finish(FinishReason::Stop, Some(end))));
+            }
+        }
 
         let mut shown = &so_far[..settled_len(so_far, &self.opts.stop)];
         if let Some(tools) = &self.tools {
@@ -95,8 +107,13 @@ impl Decoding<'_> {
         }
         let mut tool_calls = Vec::new();
         if let Some(tools) = &self.tools {
-            let answer = format!("{}{text}", tools.opening);
-            (text, tool_calls) = read_calls(&answer, tools.format, tools.parallel);
+            match tools.named.as_deref().and_then(|name| named_call(name, &text, tools.format)) {
+                Some(call) => (text, tool_calls) = (String::new(), vec![call]),
+                None => {
+                    let answer = format!("{}{text}", tools.opening);
+                    (text, tool_calls) = read_calls(&answer, tools.format, tools.parallel);
+                }
+            }
             if !tool_calls.is_empty() {
                 finish_reason = FinishReason::ToolCalls;
             }

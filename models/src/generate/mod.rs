@@ -617,6 +617,11 @@ impl Llm {
                     format: self.template.call_format(),
                     opening: self.call_opening(tools)?,
                     parallel: tools.parallel,
+                    named: match &tools.choice {
+                        tools::ToolChoice::Function(name) => Some(name.clone()),
+                        _ => None,
+                    },
+                    arguments_end: Default::default(),
                 }),
                 _ => None,
             },

@@ -187,6 +187,65 @@ pub fn read_calls(answer: &str, format: CallFormat, parallel: bool) -> (String, 
     }
 }
 
+/// The call of function `name` whose arguments are `arguments`: one JSON object, white space
+/// around it; `None` for anything else.
+pub fn named_call(name: &str, arguments: &str, format: CallFormat) -> Option<ToolCall> {
+    let value: &RawValue = serde_json::from_str(arguments.trim()).ok()?;
+    value.get().starts_with('{').then(|| ToolCall { id: format.id(), kind: function_type(), function: FunctionCall { name: name.to_string(), arguments: value.get().to_string() } })
+}
+
+/// Where the JSON object a growing text begins with (after white space) closes, found as the
+/// text grows, each byte read once: braces and brackets counted outside strings. Gives up
+/// for good where the text begins otherwise.
+#[derive(Debug, Default)]
+pub struct ObjectEnd {
+    scanned: usize,
+    depth: usize,
+    started: bool,
+    in_string: bool,
+    escaped: bool,
+    gave_up: bool,
+}
+
+impl ObjectEnd {
+    /// The end (exclusive) of the object in `text`, once written; `text` must extend the
+    /// text of the previous call.
+    pub fn find(&mut self, text: &str) -> Option<usize> {
+        let bytes = text.as_bytes();
+        while self.scanned < bytes.len() && !self.gave_up {
+            let b = bytes[self.scanned];
+            self.scanned += 1;
+            if !self.started {
+                match b {
+                    b'{' => (self.started, self.depth) = (true, 1),
+                    b if b.is_ascii_whitespace() => {}
+                    _ => self.gave_up = true,
+                }
+            } else if self.in_string {
+                match (self.escaped, b) {
+                    (true, _) => self.escaped = false,
+                    (false, b'\\') => self.escaped = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+            } else {
+                match b {
+                    b'"' => self.in_string = true,
+                    b'{' | b'[' => self.depth += 1,
+                    b'}' | b']' => {
+                        self.depth -= 1;
+                        if self.depth == 0 {
+                            return Some(self.scanned);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        None
+    }
+}
+
 /// `<tool_call>...</tool_call>` blocks, white space between them, the last one's closing
 /// optional (the model may end its turn instead). Text after the last closed block is
 /// dropped, as vLLM's Hermes parser drops it (small models ramble on after a call).
@@ -285,6 +344,22 @@ mod tests {
         // The control token is left out of decoded text: the array alone.
         let (_, calls) = read_calls("[{\"name\": \"f\", \"arguments\": \"{\\\"x\\\": 2}\"}]", CallFormat::Mistral, true);
         assert_eq!(names(&calls), [("f", r#"{"x": 2}"#)]);
+    }
+
+    #[test]
+    fn a_named_calls_arguments_end_where_their_object_closes() {
+        let text = " {\"city\": \"Pa}ris \\\" {\", \"days\": [1, {\"x\": 2}]}}\n</tool_call>";
+        let mut end = ObjectEnd::default();
+        // Fed as it grows, a few bytes at a time.
+        let found = (1..=text.len()).find_map(|n| end.find(&text[..n])).unwrap();
+        assert_eq!(&text[..found], " {\"city\": \"Pa}ris \\\" {\", \"days\": [1, {\"x\": 2}]}");
+        let call = named_call("get_weather", &text[..found], CallFormat::Hermes).unwrap();
+        assert_eq!((call.function.name.as_str(), call.function.arguments.as_str()), ("get_weather", "{\"city\": \"Pa}ris \\\" {\", \"days\": [1, {\"x\": 2}]}"));
+        let mut end = ObjectEnd::default();
+        assert_eq!(end.find("\"Paris\" {}"), None);
+        assert_eq!(end.find("\"Paris\" {} {}"), None, "gave up: the text began otherwise");
+        assert!(named_call("f", "{\"a\": }", CallFormat::Hermes).is_none());
+        assert!(named_call("f", "[1]", CallFormat::Hermes).is_none());
     }
 
     #[test]
