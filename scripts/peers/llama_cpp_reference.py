@@ -7,10 +7,13 @@
    vectors F32, a byte-level BPE or SentencePiece vocabulary with its metadata. For each, the
    logits llama.cpp computes at every position of a token sequence, and how it tokenises a few
    texts.
-2. With --gemma MODEL.gguf: the greedy tokens llama.cpp generates on the real Gemma 3 270M for
-   a few prompts.
+2. Two llama files quantized by llama.cpp itself (`llama_model_quantize`) from random F32
+   weights, as Q4_K_M and Q5_K_M: the mixes of block types those files hold (Q4_K, Q5_K,
+   Q6_K, and Q5_0, Q5_1, Q8_0 where rows are not whole 256-value blocks), with their logits.
+3. With --gemma MODEL.gguf: the greedy tokens llama.cpp generates on the real Gemma 3 270M for
+   a few prompts (without it, those of the existing reference.json are kept).
 
-Writes models/tests/fixtures/llm/{ARCH}.gguf and reference.json. Needs
+Writes models/tests/fixtures/llm/{ARCH}.gguf, {NAME}.gguf and reference.json. Needs
 `pip install gguf numpy llama-cpp-python` (llama-cpp-python builds llama.cpp from source).
 
 Usage: scripts/peers/llama_cpp_reference.py [--gemma ~/.cache/tern/models/gemma-3-270m/model.gguf]
@@ -217,6 +220,85 @@ def write(arch, path, rng):
     return vocab
 
 
+# Hidden size 320 is no whole number of 256-value blocks: q/k/v/gate/up (320 columns) take the
+# mixes' fallback types, attn_output and ffn_down (256) their K types.
+QUANTIZED = {"llama-q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "llama-q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
+QUANTIZED_SHAPE = dict(hidden=320, heads=4, kv=2, head_dim=64, ffn=256, layers=2)
+
+
+def write_f32_llama(path, rng):
+    """A llama of QUANTIZED_SHAPE with F32 weights, for llama.cpp to quantize."""
+    s = QUANTIZED_SHAPE
+    h, heads, kv, hd, ffn, layers = s["hidden"], s["heads"], s["kv"], s["head_dim"], s["ffn"], s["layers"]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tern test quantized llama")
+    w.add_context_length(256)
+    w.add_embedding_length(h)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10_000.0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    tokens, types, merges = byte_level_vocab(specials)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+
+    def matrix(name, rows, cols, scale=None):
+        w.add_tensor(name, (rng.standard_normal((rows, cols)) * (scale or 1.0 / np.sqrt(cols))).astype(np.float32))
+
+    def vector(name, n):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    matrix("token_embd.weight", len(tokens), h, scale=1.0)
+    vector("output_norm.weight", h)
+    matrix("output.weight", len(tokens), h)
+    for l in range(layers):
+        b = f"blk.{l}."
+        vector(b + "attn_norm.weight", h)
+        vector(b + "ffn_norm.weight", h)
+        matrix(b + "attn_q.weight", heads * hd, h)
+        matrix(b + "attn_k.weight", kv * hd, h)
+        matrix(b + "attn_v.weight", kv * hd, h)
+        matrix(b + "ffn_gate.weight", ffn, h)
+        matrix(b + "ffn_up.weight", ffn, h)
+        matrix(b + "attn_output.weight", h, heads * hd)
+        matrix(b + "ffn_down.weight", h, ffn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return len(tokens)
+
+
+def llama_cpp_quantize(source, path, ftype):
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype)
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(source.encode(), path.encode(), params)
+    assert rc == 0, f"llama_model_quantize failed ({rc})"
+    return Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2)
+
+
+def logits_of(llm, tokens):
+    llm.reset()
+    llm.eval(tokens)
+    return [[round(float(x), 5) for x in row] for row in np.array(llm.scores[: len(tokens)], dtype=np.float32)]
+
+
 def llama_cpp(path, n_ctx=256):
     import llama_cpp
 
@@ -252,6 +334,22 @@ def main():
         }
         print(f"{arch}: {vocab} tokens, {os.path.getsize(path)} bytes, sequence {sequence}")
         del llm
+    reference["quantized"] = {}
+    rng = np.random.default_rng(20261129)
+    source = os.path.join(OUT, "f32-llama.gguf")
+    vocab = write_f32_llama(source, rng)
+    for name, ftype in QUANTIZED.items():
+        path = os.path.join(OUT, f"{name}.gguf")
+        types = llama_cpp_quantize(source, path, ftype)
+        llm = llama_cpp(path)
+        sequence = [int(t) for t in llm.tokenize(SAMPLE.encode(), add_bos=True, special=True)[:24]]
+        reference["quantized"][name] = {"vocab": vocab, "types": dict(types), "sequence": sequence, "logits": logits_of(llm, sequence)}
+        print(f"{name}: matrices {dict(types)}, {os.path.getsize(path)} bytes")
+        del llm
+    os.remove(source)
+    if not args.gemma:
+        with open(os.path.join(OUT, "reference.json")) as f:
+            reference["gemma3_270m"] = json.load(f)["gemma3_270m"]
     if args.gemma:
         llm = llama_cpp(args.gemma, n_ctx=512)
         runs = []

@@ -4,9 +4,11 @@
 //! candle's `quantized_llama` runs every step as some 20 tensor ops per layer, each with its
 //! own allocation and thread dispatch, and multiplies Q4_1 weights with scalar code. Here a
 //! layer is four products over the file's own blocks ([`tern_kernels::quantized`]: q, k and v
-//! stacked into one matrix, gate and up into another), with the small steps between them
-//! (norms, rotary embeddings, attention over the KV cache) as plain loops. Matrices of other
-//! quantizations (K-quants, Q5) are re-quantized to Q8_0 at load ([`convertible_to_q8_0`]).
+//! stacked into one matrix, gate and up into another, each part of its own type), with the small
+//! steps between them (norms, rotary embeddings, attention over the KV cache) as plain loops.
+//! The weights keep the file's values: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are
+//! multiplied as stored; only rarer types are re-quantized to Q8_0 at load
+//! ([`convertible_to_q8_0`]).
 
 use std::io::{Read, Seek, SeekFrom};
 
@@ -73,28 +75,17 @@ impl KvCache {
     }
 }
 
-/// The matrices of `content` this pass multiplies only once re-quantized to Q8_0: those of
-/// another quantization, and the members of a group it stacks (q/k/v, gate/up) whose types
-/// differ. Empty when the file is ready as it is.
-pub(crate) fn convertible_to_q8_0(content: &Content, cfg: &Config) -> Vec<String> {
-    let ty = |name: &str| content.tensor_infos.get(name).map(|i| i.ggml_dtype);
-    let mut convert: Vec<String> = content
+/// The matrices of `content` this pass multiplies only once re-quantized to Q8_0: those of a
+/// type [`tern_kernels::quantized`] has no products for (Q2_K, Q3_K, the IQ types, F16 and
+/// F32 matrices). Empty when the file is ready as it is, as files of the usual types
+/// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, mixed as the K_M/K_S files mix them) are.
+pub(crate) fn convertible_to_q8_0(content: &Content) -> Vec<String> {
+    content
         .tensor_infos
         .iter()
         .filter(|(_, i)| i.shape.rank() == 2 && qtype(i.ggml_dtype).is_none())
         .map(|(n, _)| n.clone())
-        .collect();
-    for l in 0..cfg.layers {
-        for group in [cfg.qkv_names(l), cfg.gate_up_names(l)] {
-            let converted = |n: &String| if convert.contains(n) { Some(GgmlDType::Q8_0) } else { ty(n) };
-            let first = group.first().and_then(converted);
-            if group.iter().any(|n| converted(n) != first) {
-                let more: Vec<String> = group.iter().filter(|n| ty(n) != Some(GgmlDType::Q8_0) && !convert.contains(n)).cloned().collect();
-                convert.extend(more);
-            }
-        }
-    }
-    convert
+        .collect()
 }
 
 impl CpuPass {
@@ -107,7 +98,7 @@ impl CpuPass {
             2 => info.shape.dims()[1] % BLOCK == 0,
             _ => info.ggml_dtype == GgmlDType::F32,
         });
-        if !whole_blocks || !convertible_to_q8_0(content, cfg).is_empty() {
+        if !whole_blocks || !convertible_to_q8_0(content).is_empty() {
             return Ok(None);
         }
         let mut cfg = cfg.clone();
@@ -367,7 +358,12 @@ fn qtype(dtype: GgmlDType) -> Option<QType> {
     match dtype {
         GgmlDType::Q4_0 => Some(QType::Q4_0),
         GgmlDType::Q4_1 => Some(QType::Q4_1),
+        GgmlDType::Q5_0 => Some(QType::Q5_0),
+        GgmlDType::Q5_1 => Some(QType::Q5_1),
         GgmlDType::Q8_0 => Some(QType::Q8_0),
+        GgmlDType::Q4K => Some(QType::Q4_K),
+        GgmlDType::Q5K => Some(QType::Q5_K),
+        GgmlDType::Q6K => Some(QType::Q6_K),
         _ => None,
     }
 }
@@ -490,6 +486,20 @@ mod tests {
         }
         let answer = vocabulary.decode(&tokens[prompt.len()..]).unwrap();
         eprintln!("answer starts {answer:?}");
+    }
+
+    /// Files llama.cpp quantized to Q4_K_M and Q5_K_M (`tests/fixtures/llm`, mixing K types with
+    /// Q5_0, Q5_1 and Q8_0) load with every matrix as stored: nothing is re-quantized.
+    #[test]
+    fn k_quant_mixes_load_as_stored() {
+        for name in ["llama-q4_k_m", "llama-q5_k_m"] {
+            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/llm/{name}.gguf"));
+            let mut reader = BufReader::new(File::open(&path).unwrap());
+            let content = Content::read(&mut reader).unwrap();
+            assert_eq!(convertible_to_q8_0(&content), Vec::<String>::new(), "{name}");
+            let cfg = Config::from_gguf(&content).unwrap();
+            assert!(CpuPass::from_gguf(&cfg, &content, &mut reader, 64).unwrap().is_some(), "{name}");
+        }
     }
 
     /// Two prompts decoded together give exactly the logits each gives alone.

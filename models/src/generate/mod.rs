@@ -157,8 +157,8 @@ impl Llm {
     /// ([`vocabulary`]).
     ///
     /// On the CPU every model runs on tern's own forward pass, its matrices as stored where
-    /// they are Q4_0, Q4_1 or Q8_0 and re-quantized to Q8_0 at load otherwise (K-quants, Q5:
-    /// 8 bits a weight against their 4.5-6.5). On other devices models run on a forward pass
+    /// they are Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K and re-quantized to Q8_0 at
+    /// load otherwise (Q2_K, Q3_K, the IQ types, F16 matrices). On other devices models run on a forward pass
     /// made of candle's ops, their matrices dequantized once at load
     /// ([`WeightLayout::Dense`]). Both passes decode requests together
     /// ([`Llm::generate_batch`]). The llama variants neither implements (mixtures of experts)
@@ -208,7 +208,7 @@ impl Llm {
         let own_cpu_pass = own_cpu_pass && device.is_cpu();
         if let Some(cfg) = cfg.as_ref().filter(|_| own_cpu_pass) {
             let context_length = stated_context.min(MAX_CONTEXT_LENGTH);
-            let convert = cpu_pass::convertible_to_q8_0(&content, cfg);
+            let convert = cpu_pass::convertible_to_q8_0(&content);
             let pass = if convert.is_empty() {
                 CpuPass::from_gguf(cfg, &content, &mut reader, context_length)
             } else {
