@@ -56,7 +56,7 @@ fn recordings(dir: &Path) -> Vec<(String, PathBuf)> {
 }
 
 struct Reference {
-    dir: tempdir::TempDir,
+    dir: PathBuf,
     json: serde_json::Value,
 }
 
@@ -77,25 +77,57 @@ fn reference_runs(models: &[&str], beam: usize, defaults: bool) -> Option<(PathB
     }
     let clips = recordings(&dir);
     assert!(clips.len() >= 13, "expected the LibriVox, cards and phrases recordings under {}", dir.display());
-    let out = tempdir::TempDir::new();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peers/whisper_reference.py");
-    let mut cmd = Command::new(&python);
-    cmd.arg(&script).arg("--models").arg(&dir).arg("--out").arg(out.path());
+    let mut args: Vec<std::ffi::OsString> = vec!["--models".into(), dir.clone().into()];
     for m in models {
-        cmd.arg("--model").arg(m);
+        args.extend(["--model".into(), (*m).into()]);
     }
     if beam > 0 {
-        cmd.arg("--beam").arg(beam.to_string());
+        args.extend(["--beam".into(), beam.to_string().into()]);
     }
     if defaults {
-        cmd.arg("--defaults").arg("--prompt").arg(PROMPT);
+        args.extend(["--defaults".into(), "--prompt".into(), PROMPT.into()]);
     }
-    cmd.args(clips.iter().map(|(_, p)| p));
-    let status = cmd.status().expect("running the reference");
-    assert!(status.success(), "the reference failed: {status}");
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.path().join("reference.json")).unwrap()).unwrap();
-    eprintln!("reference: faster-whisper {} (ctranslate2 {}), numpy {}", json["faster_whisper"], json["ctranslate2"], json["numpy"]);
+    args.extend(clips.iter().map(|(_, p)| p.clone().into()));
+    let out = cached_reference_dir(&python, &script, &args, &needed);
+    if !out.join("reference.json").is_file() {
+        let writing = out.with_extension(format!("writing-{}", std::process::id()));
+        std::fs::create_dir_all(&writing).unwrap();
+        let status = Command::new(&python).arg(&script).args(&args).arg("--out").arg(&writing).status().expect("running the reference");
+        assert!(status.success(), "the reference failed: {status}");
+        // Another test process may have written the same run meanwhile: either copy is it.
+        if std::fs::rename(&writing, &out).is_err() {
+            let _ = std::fs::remove_dir_all(&writing);
+        }
+    }
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("reference.json")).unwrap()).unwrap();
+    eprintln!("reference: faster-whisper {} (ctranslate2 {}), numpy {} ({})", json["faster_whisper"], json["ctranslate2"], json["numpy"], out.display());
     Some((dir, clips, Reference { dir: out, json }))
+}
+
+/// Where the reference's outputs for these arguments are kept: a folder under the reference's
+/// state (`faster-whisper/runs/`) named by a hash of the script, the arguments, the sizes and
+/// times of the recordings and models, and the reference's installation, so a run is made once
+/// until one of them changes (each test runs the same models: tiny.en and base greedy ran four
+/// times a suite, ~80 s on 2 cores).
+fn cached_reference_dir(python: &Path, script: &Path, args: &[std::ffi::OsString], models: &[PathBuf]) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::fs::read(script).unwrap().hash(&mut h);
+    args.hash(&mut h);
+    let stamp = |p: &Path| std::fs::metadata(p).map(|m| (m.len(), m.modified().ok())).ok();
+    for arg in args {
+        stamp(Path::new(arg)).hash(&mut h);
+    }
+    for m in models {
+        stamp(m).hash(&mut h);
+    }
+    // The venv's packages: installing or upgrading one changes their folder.
+    let venv = python.parent().unwrap().parent().unwrap();
+    for python_dir in std::fs::read_dir(venv.join("lib")).into_iter().flatten().flatten() {
+        stamp(&python_dir.path().join("site-packages")).hash(&mut h);
+    }
+    venv.parent().unwrap().join("runs").join(format!("{:016x}", h.finish()))
 }
 
 fn reference(models: &[&str], beam: usize) -> Option<(PathBuf, Vec<(String, PathBuf)>, Reference)> {
@@ -109,26 +141,6 @@ fn read_f32(path: &Path) -> Vec<f32> {
     std::fs::read(path).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
 }
 
-mod tempdir {
-    /// A directory removed when dropped.
-    pub struct TempDir(std::path::PathBuf);
-    impl TempDir {
-        pub fn new() -> TempDir {
-            let dir = std::env::temp_dir().join(format!("tern-parity-{}-{:?}", std::process::id(), std::thread::current().id()).replace(['(', ')'], ""));
-            std::fs::create_dir_all(&dir).unwrap();
-            TempDir(dir)
-        }
-        pub fn path(&self) -> &std::path::Path {
-            &self.0
-        }
-    }
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 #[test]
 fn features_equal_faster_whispers_and_openais_within_1e_4() {
     let Some((dir, clips, reference)) = reference(&[], 0) else { return };
@@ -137,12 +149,12 @@ fn features_equal_faster_whispers_and_openais_within_1e_4() {
     for (name, path) in &clips {
         let pcm = decode_mono_16k(&std::fs::read(path).unwrap()).unwrap();
         let ours = whisper.features(&pcm, FeaturePadding::Zeros);
-        let theirs = read_f32(&reference.dir.path().join(format!("features/{name}.f32")));
+        let theirs = read_f32(&reference.dir.join(format!("features/{name}.f32")));
         assert_eq!(ours.len(), theirs.len(), "{name}: 80 x 3000 features");
         let (worst, at) = ours.iter().zip(&theirs).enumerate().map(|(i, (a, b))| ((a - b).abs(), i)).fold((0f32, 0), |m, x| if x.0 > m.0 { x } else { m });
         // OpenAI's over the frames that hold audio (its padding frames are silence's)...
         let content = reference.json["recordings"][name]["content_frames"].as_u64().unwrap() as usize;
-        let openai = read_f32(&reference.dir.path().join(format!("features/{name}.openai.f32")));
+        let openai = read_f32(&reference.dir.join(format!("features/{name}.openai.f32")));
         assert_eq!(openai.len(), 80 * 3000, "{name}: OpenAI's first window");
         let worst_openai = (0..80).flat_map(|j| (0..content).map(move |i| (j, i))).map(|(j, i)| (ours[j * 3000 + i] - openai[j * 3000 + i]).abs()).fold(0f32, f32::max);
         // ...and, padded with silence, over all 3000.
