@@ -89,7 +89,8 @@ fn reference_runs(models: &[&str], beam: usize, defaults: bool) -> Option<(PathB
         args.extend(["--defaults".into(), "--prompt".into(), PROMPT.into()]);
     }
     args.extend(clips.iter().map(|(_, p)| p.clone().into()));
-    let out = cached_reference_dir(&python, &script, &args, &needed);
+    let inputs: Vec<PathBuf> = clips.iter().map(|(_, p)| p.clone()).chain(needed).collect();
+    let out = cached_reference_dir(&python, &script, &args, &inputs);
     if !out.join("reference.json").is_file() {
         let writing = out.with_extension(format!("writing-{}", std::process::id()));
         std::fs::create_dir_all(&writing).unwrap();
@@ -107,20 +108,17 @@ fn reference_runs(models: &[&str], beam: usize, defaults: bool) -> Option<(PathB
 
 /// Where the reference's outputs for these arguments are kept: a folder under the reference's
 /// state (`faster-whisper/runs/`) named by a hash of the script, the arguments, the sizes and
-/// times of the recordings and models, and the reference's installation, so a run is made once
+/// times of the `inputs` (recordings and models), and the reference's installation, so a run is made once
 /// until one of them changes (each test runs the same models: tiny.en and base greedy ran four
 /// times a suite, ~80 s on 2 cores).
-fn cached_reference_dir(python: &Path, script: &Path, args: &[std::ffi::OsString], models: &[PathBuf]) -> PathBuf {
+fn cached_reference_dir(python: &Path, script: &Path, args: &[std::ffi::OsString], inputs: &[PathBuf]) -> PathBuf {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     std::fs::read(script).unwrap().hash(&mut h);
     args.hash(&mut h);
     let stamp = |p: &Path| std::fs::metadata(p).map(|m| (m.len(), m.modified().ok())).ok();
-    for arg in args {
-        stamp(Path::new(arg)).hash(&mut h);
-    }
-    for m in models {
-        stamp(m).hash(&mut h);
+    for input in inputs {
+        stamp(input).hash(&mut h);
     }
     // The venv's packages: installing or upgrading one changes their folder.
     let venv = python.parent().unwrap().parent().unwrap();

@@ -123,22 +123,41 @@ ARCHS = {
 }
 
 
+def add_shape(w, name, s, file_type):
+    """The model's name, shape and file type, as every test file states them."""
+    w.add_name(name)
+    w.add_context_length(256)
+    w.add_embedding_length(s["hidden"])
+    w.add_block_count(s["layers"])
+    w.add_feed_forward_length(s["ffn"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(s["head_dim"])
+    w.add_file_type(file_type)
+
+
+def add_byte_level_vocab(w, specials, pre, eos, add_bos):
+    """A byte-level BPE vocabulary with `specials` (BOS the first, EOS the one named `eos`)."""
+    tokens, types, merges = byte_level_vocab(specials)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index(specials[0]))
+    w.add_eos_token_id(tokens.index(eos))
+    w.add_add_bos_token(add_bos)
+    return tokens
+
+
 def write(arch, path, rng):
     s = ARCHS[arch]
     h, heads, kv, hd, ffn, layers = s["hidden"], s["heads"], s["kv"], s["head_dim"], s["ffn"], s["layers"]
     w = gguf.GGUFWriter(path, arch)
-    w.add_name(f"tern test {arch}")
-    w.add_context_length(256)
-    w.add_embedding_length(h)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(hd)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    add_shape(w, f"tern test {arch}", s, gguf.LlamaFileType.MOSTLY_Q8_0)
     if arch == "gemma3":
         w.add_rope_freq_base(1_000_000.0)
         w.add_sliding_window(4)
@@ -162,15 +181,8 @@ def write(arch, path, rng):
         w.add_add_space_prefix(arch == "phi3")
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] if arch != "llama" else ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-        tokens, types, merges = byte_level_vocab(specials)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre({"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}[arch])
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_bos_token_id(tokens.index(specials[0]))
-        w.add_eos_token_id(tokens.index(specials[1] if arch == "llama" else specials[2]))
-        w.add_add_bos_token(arch == "llama")
+        pre = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}[arch]
+        tokens = add_byte_level_vocab(w, specials, pre, specials[1] if arch == "llama" else specials[2], arch == "llama")
     vocab = len(tokens)
 
     def matrix(name, rows, cols, scale=None):
@@ -231,29 +243,10 @@ def write_f32_llama(path, rng):
     s = QUANTIZED_SHAPE
     h, heads, kv, hd, ffn, layers = s["hidden"], s["heads"], s["kv"], s["head_dim"], s["ffn"], s["layers"]
     w = gguf.GGUFWriter(path, "llama")
-    w.add_name("tern test quantized llama")
-    w.add_context_length(256)
-    w.add_embedding_length(h)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(hd)
+    add_shape(w, "tern test quantized llama", s, gguf.LlamaFileType.ALL_F32)
     w.add_rope_freq_base(10_000.0)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-    tokens, types, merges = byte_level_vocab(specials)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_add_bos_token(True)
+    tokens = add_byte_level_vocab(w, specials, "llama-bpe", specials[1], True)
 
     def matrix(name, rows, cols, scale=None):
         w.add_tensor(name, (rng.standard_normal((rows, cols)) * (scale or 1.0 / np.sqrt(cols))).astype(np.float32))

@@ -411,36 +411,15 @@ impl Part {
             for i0 in (0..m).step_by(ROW_GROUP) {
                 let i1 = (i0 + ROW_GROUP).min(m);
                 // Weight rows in pairs: each activation block loaded for both.
-                let a = |i| x.row(i, self.qtype);
                 let (first_row, rows_here) = (c * rows_per_task, chunk.len() / m);
                 let mut pairs = chunk.chunks_exact_mut(2 * m);
                 for (k, ys) in pairs.by_ref().enumerate() {
-                    let ws = [row(first_row + 2 * k), row(first_row + 2 * k + 1)];
                     let (y0, y1) = ys.split_at_mut(m);
-                    let mut i = i0;
-                    while i + TILE <= i1 {
-                        let [d0, d1] = kernel.tile(ws, [a(i), a(i + 1), a(i + 2), a(i + 3)]);
-                        y0[i..i + TILE].copy_from_slice(&d0);
-                        y1[i..i + TILE].copy_from_slice(&d1);
-                        i += TILE;
-                    }
-                    for i in i..i1 {
-                        let [[v0], [v1]] = kernel.tile(ws, [a(i)]);
-                        (y0[i], y1[i]) = (v0, v1);
-                    }
+                    kernel.weight_rows([row(first_row + 2 * k), row(first_row + 2 * k + 1)], [y0, y1], x, i0..i1);
                 }
                 let odd = pairs.into_remainder();
                 if !odd.is_empty() {
-                    let w = row(first_row + rows_here - 1);
-                    let mut i = i0;
-                    while i + TILE <= i1 {
-                        let [dots] = kernel.tile([w], [a(i), a(i + 1), a(i + 2), a(i + 3)]);
-                        odd[i..i + TILE].copy_from_slice(&dots);
-                        i += TILE;
-                    }
-                    for i in i..i1 {
-                        odd[i] = kernel.tile([w], [a(i)])[0][0];
-                    }
+                    kernel.weight_rows([row(first_row + rows_here - 1)], [odd], x, i0..i1);
                 }
             }
         });
@@ -450,6 +429,19 @@ impl Part {
             }
         }
     }
+}
+
+/// `$module::tile::<R, T, _>` (`R` and `T` in scope) for the weights' form: the kernels take the
+/// form as a const parameter.
+macro_rules! tile_of_form {
+    ($module:ident, $form:expr, $ws:expr, $xs:expr) => {
+        match $form {
+            Form::Nibbles => $module::tile::<R, T, NIBBLES>($ws, $xs),
+            Form::Nibbles5 => $module::tile::<R, T, NIBBLES5>($ws, $xs),
+            Form::Bytes => $module::tile::<R, T, BYTES>($ws, $xs),
+            Form::Bytes16 => $module::tile::<R, T, BYTES16>($ws, $xs),
+        }
+    };
 }
 
 /// Products of a few weight rows with a few activation rows ([`TILE`] activation rows per
@@ -483,12 +475,7 @@ impl Kernel {
             // SAFETY: `x86_512::available` found AVX-512 F, BW, VL and VNNI; the rows hold whole
             // blocks of the same count.
             unsafe {
-                return match self.qtype.form() {
-                    Form::Nibbles => x86_512::tile::<R, T, NIBBLES>(ws, xs),
-                    Form::Nibbles5 => x86_512::tile::<R, T, NIBBLES5>(ws, xs),
-                    Form::Bytes => x86_512::tile::<R, T, BYTES>(ws, xs),
-                    Form::Bytes16 => x86_512::tile::<R, T, BYTES16>(ws, xs),
-                };
+                return tile_of_form!(x86_512, self.qtype.form(), ws, xs);
             }
         }
         #[cfg(target_arch = "x86_64")]
@@ -496,16 +483,30 @@ impl Kernel {
             // SAFETY: `x86::available` found AVX2 and FMA; the rows hold whole blocks of the
             // same count (checked by `QMatrix::new` and `matmul`).
             unsafe {
-                return match self.qtype.form() {
-                    Form::Nibbles => x86::tile::<R, T, NIBBLES>(ws, xs),
-                    Form::Nibbles5 => x86::tile::<R, T, NIBBLES5>(ws, xs),
-                    Form::Bytes => x86::tile::<R, T, BYTES>(ws, xs),
-                    Form::Bytes16 => x86::tile::<R, T, BYTES16>(ws, xs),
-                };
+                return tile_of_form!(x86, self.qtype.form(), ws, xs);
             }
         }
         let form = self.qtype.form();
         std::array::from_fn(|r| std::array::from_fn(|t| dot_scalar(form, ws[r], xs[t])))
+    }
+
+    /// `ys[r][i] = W_r · x_i` for the activation rows `i` in `rows`, [`TILE`] of them a call.
+    fn weight_rows<const R: usize>(self, ws: [WeightRow<'_>; R], mut ys: [&mut [f32]; R], x: &QuantizedRows, rows: std::ops::Range<usize>) {
+        let a = |i| x.row(i, self.qtype);
+        let mut i = rows.start;
+        while i + TILE <= rows.end {
+            let dots = self.tile(ws, [a(i), a(i + 1), a(i + 2), a(i + 3)]);
+            for (y, d) in ys.iter_mut().zip(dots) {
+                y[i..i + TILE].copy_from_slice(&d);
+            }
+            i += TILE;
+        }
+        for i in i..rows.end {
+            let dots = self.tile(ws, [a(i)]);
+            for (y, d) in ys.iter_mut().zip(dots) {
+                y[i] = d[0];
+            }
+        }
     }
 }
 

@@ -156,18 +156,13 @@ fn every_kernel_computes_the_scalar_products() {
         #[cfg(target_arch = "x86_64")]
         {
             macro_rules! run {
-                ($module:ident) => {
+                ($module:ident) => {{
+                    const R: usize = 4;
+                    const T: usize = 4;
                     // SAFETY: the module's `available` found its instruction set; the rows hold
                     // whole blocks of the same count.
-                    unsafe {
-                        match form {
-                            Form::Nibbles => $module::tile::<4, 4, NIBBLES>(ws, xs),
-                            Form::Nibbles5 => $module::tile::<4, 4, NIBBLES5>(ws, xs),
-                            Form::Bytes => $module::tile::<4, 4, BYTES>(ws, xs),
-                            Form::Bytes16 => $module::tile::<4, 4, BYTES16>(ws, xs),
-                        }
-                    }
-                };
+                    unsafe { tile_of_form!($module, form, ws, xs) }
+                }};
             }
             if x86::available() {
                 check("AVX2", run!(x86));
